@@ -1,0 +1,159 @@
+"""The agent interface shared by Anakin and Sebulba, and the values passed through it.
+
+An agent is pure functions and nothing else: no threads, no Ray, no devices (shared/DESIGN.md).
+- `init(key) -> TrainState`: parameters and optimizer state.
+- `act(params, obs, key) -> (action, ActorOut)`: what the actor needs; ActorOut carries what the loss
+  needs (behaviour logits and values).
+- `loss(params, trajectory) -> (loss, metrics)`.
+- `update(state, trajectory, key, axis_name) -> (state, metrics)`: one learner step on a batch of
+  experience; gradients are averaged over the named mesh axes, so the same code is a single-device
+  update, a replicated update over all devices (Anakin), or over the learner devices (Sebulba).
+Trajectories are time-major `[T, B, ...]`, as rlax expects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from podray.agents.networks import ActorCritic, ActorCriticOutput
+from podray.config import AgentConfig, NetworkConfig
+from podray.envs.spec import EnvSpec
+
+AxisName = Hashable | Sequence[Hashable] | None
+
+
+@struct.dataclass
+class ActorOut:
+    """What acting records for the loss.
+
+    Attributes:
+      logits: [..., num_actions] behaviour policy logits.
+      value: [...] behaviour value estimate.
+    """
+
+    logits: chex.Array
+    value: chex.Array
+
+
+@struct.dataclass
+class Trajectory:
+    """A time-major batch of experience from B environments over T steps.
+
+    Attributes:
+      obs: [T + 1, B, *obs_shape]; obs[t] is seen before action[t], obs[T] is the bootstrap.
+      action: [T, B] int actions.
+      reward: [T, B] reward after action[t].
+      discount: [T, B] 0 where the episode ended after action[t], else 1 (not yet times gamma).
+      actor_out: ActorOut with leaves [T, B, ...] from the behaviour policy.
+    """
+
+    obs: chex.Array
+    action: chex.Array
+    reward: chex.Array
+    discount: chex.Array
+    actor_out: ActorOut
+
+
+@struct.dataclass
+class TrainState:
+    """Learner state. Attributes: params, opt_state, and `updates`, the count of update() calls."""
+
+    params: Any
+    opt_state: Any
+    updates: chex.Array
+
+
+def mean_over(x: Any, axis_name: AxisName) -> Any:
+    """Averages a pytree over the named mesh axes (identity when there are none)."""
+    if axis_name is None:
+        return x
+    return jax.lax.pmean(x, axis_name)
+
+
+class Agent:
+    """Base of the actor-critic agents: the network, the optimizer, and acting.
+
+    Args:
+      config: the agent's hyperparameters.
+      network: the network's shape.
+      spec: the environment's observation and action spec.
+      num_updates: update() calls in the whole run (sets the learning-rate schedule).
+    """
+
+    def __init__(self, config: AgentConfig, network: NetworkConfig, spec: EnvSpec, num_updates: int):
+        self.config = config
+        self.spec = spec
+        self.network = ActorCritic(config=network, num_actions=spec.num_actions)
+        self.num_updates = num_updates
+        self.optimizer = self._make_optimizer()
+
+    # Subclasses say how many optimizer steps one update() makes (for the schedule).
+    def optimizer_steps_per_update(self) -> int:
+        return 1
+
+    def _make_optimizer(self) -> optax.GradientTransformation:
+        c = self.config
+        total = max(1, self.num_updates * self.optimizer_steps_per_update())
+        lr = optax.linear_schedule(c.learning_rate, 0.0, total) if c.anneal_lr else c.learning_rate
+        if c.optimizer == "adam":
+            opt = optax.adam(lr, eps=c.adam_eps)
+        else:
+            opt = optax.rmsprop(lr, eps=c.adam_eps, decay=0.99)
+        chain = [optax.clip_by_global_norm(c.max_grad_norm)] if c.max_grad_norm > 0 else []
+        return optax.chain(*chain, opt)
+
+    def init(self, key: chex.PRNGKey) -> TrainState:
+        """Initial parameters and optimizer state (the key is consumed)."""
+        dummy = jnp.zeros((1, *self.spec.obs_shape), self.spec.obs_dtype)
+        params = self.network.init(key, dummy)
+        return TrainState(params=params, opt_state=self.optimizer.init(params), updates=jnp.zeros((), jnp.int32))
+
+    def apply(self, params: Any, obs: chex.Array) -> ActorCriticOutput:
+        return self.network.apply(params, obs)
+
+    def act(self, params: Any, obs: chex.Array, key: chex.PRNGKey) -> tuple[chex.Array, ActorOut]:
+        """Samples actions for a batch of observations.
+
+        Args:
+          params: network parameters.
+          obs: [B, *obs_shape] observations.
+          key: one PRNG key, or [B] keys, one per environment (consumed).
+        Returns:
+          (action [B] int32, ActorOut with logits [B, A] and value [B]).
+        """
+        out = self.apply(params, obs)
+        if key.ndim == 1:
+            action = jax.random.categorical(key, out.logits)
+        else:
+            action = jax.vmap(jax.random.categorical)(key, out.logits)
+        return action.astype(jnp.int32), ActorOut(logits=out.logits, value=out.value)
+
+    def _apply_gradients(self, state: TrainState, grads: Any, axis_name: AxisName) -> tuple[Any, Any]:
+        grads = mean_over(grads, axis_name)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        return optax.apply_updates(state.params, updates), opt_state
+
+    def loss(self, params: Any, trajectory: Trajectory) -> tuple[chex.Array, dict[str, chex.Array]]:
+        raise NotImplementedError
+
+    def update(
+        self, state: TrainState, trajectory: Trajectory, key: chex.PRNGKey, axis_name: AxisName = None
+    ) -> tuple[TrainState, dict[str, chex.Array]]:
+        raise NotImplementedError
+
+
+def log_prob(logits: chex.Array, action: chex.Array) -> chex.Array:
+    """log pi(action) for logits [..., A] and int actions [...]."""
+    logp = jax.nn.log_softmax(logits)
+    return jnp.take_along_axis(logp, action[..., None], axis=-1)[..., 0]
+
+
+def entropy(logits: chex.Array) -> chex.Array:
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)

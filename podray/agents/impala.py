@@ -1,0 +1,60 @@
+"""IMPALA (Espeholt et al., 2018): an actor-critic whose off-policy correction is V-trace (rlax).
+
+Under Anakin the behaviour policy is the current one (the ratios are 1); under Sebulba the actors lag
+the learner and V-trace corrects for it. One `update` is one gradient step on the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import rlax
+
+from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob
+
+
+class IMPALA(Agent):
+    """V-trace actor-critic: policy gradient with V-trace advantages, V-trace value targets, entropy."""
+
+    def loss(self, params: Any, trajectory: Trajectory) -> tuple[chex.Array, dict[str, chex.Array]]:
+        c = self.config
+        out = self.apply(params, trajectory.obs)  # logits [T+1, B, A], value [T+1, B]
+        logits = out.logits[:-1]
+        target_log_prob = log_prob(logits, trajectory.action)
+        behaviour_log_prob = log_prob(trajectory.actor_out.logits, trajectory.action)
+        rho = jnp.exp(target_log_prob - behaviour_log_prob)
+        vtrace = jax.vmap(
+            lambda v_tm1, v_t, r_t, d_t, rho_tm1: rlax.vtrace_td_error_and_advantage(
+                v_tm1, v_t, r_t, d_t, rho_tm1, c.vtrace_lambda, c.clip_rho_threshold, c.clip_pg_rho_threshold
+            ),
+            in_axes=1,
+            out_axes=1,
+        )(out.value[:-1], out.value[1:], trajectory.reward, c.discount * trajectory.discount, rho)
+        ones = jnp.ones_like(trajectory.reward)
+        policy_loss = jax.vmap(rlax.policy_gradient_loss, in_axes=1)(
+            logits, trajectory.action, vtrace.pg_advantage, ones
+        ).mean()
+        value_loss = 0.5 * jnp.mean(jnp.square(vtrace.errors))
+        entropy_loss = jax.vmap(rlax.entropy_loss, in_axes=1)(logits, ones).mean()
+        loss = policy_loss + c.value_coef * value_loss + c.entropy_coef * entropy_loss
+        metrics = {
+            "loss": loss,
+            "policy_loss": policy_loss,
+            "value_loss": value_loss,
+            "entropy": -entropy_loss,
+            "mean_rho": rho.mean(),
+        }
+        return loss, metrics
+
+    def update(
+        self, state: TrainState, trajectory: Trajectory, key: chex.PRNGKey, axis_name: AxisName = None
+    ) -> tuple[TrainState, dict[str, chex.Array]]:
+        """One gradient step on the batch; the key is unused (kept for the shared interface)."""
+        del key
+        grads, metrics = jax.grad(self.loss, has_aux=True)(state.params, trajectory)
+        params, opt_state = self._apply_gradients(state, grads, axis_name)
+        metrics = jax.lax.pmean(metrics, axis_name) if axis_name is not None else metrics
+        return TrainState(params=params, opt_state=opt_state, updates=state.updates + 1), metrics

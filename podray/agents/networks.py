@@ -1,0 +1,117 @@
+"""Actor-critic networks in flax: an MLP torso for vectors, Nature-CNN and IMPALA-ResNet for pixels.
+
+Depth and width come from `NetworkConfig`, so that Ray Tune can search them as plain config fields.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+import chex
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from podray.config import NetworkConfig
+
+_ACTIVATIONS: dict[str, Callable] = {"tanh": nn.tanh, "relu": nn.relu}
+
+
+def _dense(features: int, scale: float = np.sqrt(2)) -> nn.Dense:
+    return nn.Dense(features, kernel_init=nn.initializers.orthogonal(scale), bias_init=nn.initializers.zeros)
+
+
+class MLPTorso(nn.Module):
+    """`depth` dense layers of `width` units on the flattened observation."""
+
+    depth: int
+    width: int
+    activation: str = "tanh"
+
+    @nn.compact
+    def __call__(self, x: chex.Array) -> chex.Array:
+        x = x.reshape(x.shape[:-1] + (-1,)) if x.ndim > 1 else x
+        for _ in range(self.depth):
+            x = _ACTIVATIONS[self.activation](_dense(self.width)(x))
+        return x
+
+
+class NatureCNN(nn.Module):
+    """The DQN Nature torso (Mnih et al., 2015): three convolutions, then `depth` dense layers."""
+
+    depth: int = 1
+    width: int = 512
+
+    @nn.compact
+    def __call__(self, x: chex.Array) -> chex.Array:
+        for features, kernel, stride in ((32, 8, 4), (64, 4, 2), (64, 3, 1)):
+            x = nn.relu(nn.Conv(features, (kernel, kernel), (stride, stride), padding="VALID")(x))
+        x = x.reshape(x.shape[:-3] + (-1,))
+        for _ in range(self.depth):
+            x = nn.relu(_dense(self.width)(x))
+        return x
+
+
+class _ResidualBlock(nn.Module):
+    channels: int
+
+    @nn.compact
+    def __call__(self, x: chex.Array) -> chex.Array:
+        y = nn.Conv(self.channels, (3, 3), padding="SAME")(nn.relu(x))
+        y = nn.Conv(self.channels, (3, 3), padding="SAME")(nn.relu(y))
+        return x + y
+
+
+class ImpalaResNet(nn.Module):
+    """The IMPALA torso (Espeholt et al., 2018): stages of conv, max-pool and `depth` residual blocks."""
+
+    depth: int = 2
+    width: int = 256
+    channels: Sequence[int] = (16, 32, 32)
+
+    @nn.compact
+    def __call__(self, x: chex.Array) -> chex.Array:
+        for channels in self.channels:
+            x = nn.Conv(channels, (3, 3), padding="SAME")(x)
+            x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+            for _ in range(self.depth):
+                x = _ResidualBlock(channels)(x)
+        x = nn.relu(x).reshape(x.shape[:-3] + (-1,))
+        return nn.relu(_dense(self.width)(x))
+
+
+class ActorCriticOutput(NamedTuple):
+    logits: chex.Array  # [..., num_actions]
+    value: chex.Array  # [...]
+
+
+def make_torso(config: NetworkConfig) -> nn.Module:
+    if config.torso == "mlp":
+        return MLPTorso(depth=config.depth, width=config.width, activation=config.activation)
+    if config.torso == "nature_cnn":
+        return NatureCNN(depth=config.depth, width=config.width)
+    if config.torso == "impala_resnet":
+        return ImpalaResNet(depth=config.depth, width=config.width)
+    raise ValueError(f"network.torso: unknown torso {config.torso!r}")
+
+
+class ActorCritic(nn.Module):
+    """Policy logits and state value from observations [..., *obs_shape].
+
+    uint8 observations (pixels) are scaled to [0, 1]. With `config.shared_torso` one torso feeds both
+    heads; otherwise policy and value each have their own.
+    """
+
+    config: NetworkConfig
+    num_actions: int
+
+    @nn.compact
+    def __call__(self, obs: chex.Array) -> ActorCriticOutput:
+        x = obs.astype(jnp.float32)
+        if obs.dtype == jnp.uint8:
+            x = x / 255.0
+        policy_features = make_torso(self.config)(x)
+        value_features = policy_features if self.config.shared_torso else make_torso(self.config)(x)
+        logits = _dense(self.num_actions, scale=0.01)(policy_features)
+        value = _dense(1, scale=1.0)(value_features)[..., 0]
+        return ActorCriticOutput(logits=logits, value=value)

@@ -1,0 +1,54 @@
+"""Checkpoints with orbax: program state (params, optimizer, PRNG, environments) plus counters and
+config, written atomically, the newest `keep` kept.
+
+orbax writes each save to a temporary directory and renames it when complete, so a run killed while
+saving still has its previous checkpoint; in a multi-host run every process calls save and orbax
+writes each array shard once.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Saves and restores (state pytree, metadata dict) pairs under `directory`, by step."""
+
+    def __init__(self, directory: str | pathlib.Path, keep: int = 2):
+        self.directory = pathlib.Path(directory).resolve()
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        """Writes the state and JSON metadata for `step` (all processes must call this)."""
+        self._manager.save(
+            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        )
+        self._manager.wait_until_finished()
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
+        """Restores into the structure, shapes and shardings of `target` (arrays or ShapeDtypeStructs)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+        )
+        return restored["state"], restored["meta"]
+
+    def read_meta(self, step: int | None = None) -> dict:
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def close(self) -> None:
+        self._manager.close()

@@ -1,0 +1,390 @@
+"""Typed run configuration: dataclasses, YAML presets, `--set` overrides and validation.
+
+A `Config` is a tree of dataclasses. Every field has a default and a one-line docstring below it.
+Presets in `configs/*.yaml` override some fields; `--set section.field=value` overrides more. The
+whole config is validated before anything is compiled, and every error names the field and says what
+would be valid (shared/DESIGN.md, principle 6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending field named in the message."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The config tree
+
+
+@dataclass
+class EnvConfig:
+    name: str = "CartPole-v1"
+    """Environment id: a gymnax id for Anakin (e.g. CartPole-v1, Catch-bsuite, Breakout-MinAtar)."""
+    num_envs: int = 4
+    """Environments per replica, summed over all devices; must divide evenly over the devices."""
+
+
+@dataclass
+class NetworkConfig:
+    torso: str = "mlp"
+    """Torso: 'mlp' for vector observations, 'nature_cnn' or 'impala_resnet' for pixels."""
+    depth: int = 2
+    """Depth: hidden layers (mlp), dense layers after the convolutions (nature_cnn), residual blocks
+    per stage (impala_resnet)."""
+    width: int = 64
+    """Hidden units per dense layer (mlp) or of the dense layers after the torso (cnn, resnet)."""
+    activation: str = "tanh"
+    """Activation of the dense layers: 'tanh' or 'relu'."""
+    shared_torso: bool = False
+    """One torso for policy and value (True) or one each (False)."""
+
+
+@dataclass
+class AgentConfig:
+    name: str = "ppo"
+    """Agent: 'ppo' (clipped surrogate, GAE) or 'impala' (V-trace actor-critic)."""
+    learning_rate: float = 2.5e-4
+    """Optimizer learning rate (peak value when anneal_lr is set)."""
+    anneal_lr: bool = True
+    """Anneal the learning rate linearly to zero over the run."""
+    optimizer: str = "adam"
+    """Optimizer: 'adam' or 'rmsprop'."""
+    adam_eps: float = 1e-5
+    """Epsilon of Adam / RMSProp."""
+    max_grad_norm: float = 0.5
+    """Global gradient-norm clip (0 disables)."""
+    discount: float = 0.99
+    """Discount factor gamma."""
+    gae_lambda: float = 0.95
+    """GAE lambda (ppo)."""
+    clip_epsilon: float = 0.2
+    """Clipping of the probability ratio (ppo)."""
+    value_coef: float = 0.5
+    """Weight of the value loss."""
+    entropy_coef: float = 0.01
+    """Weight of the entropy bonus."""
+    epochs: int = 4
+    """Passes over each batch of experience (ppo; impala uses 1)."""
+    num_minibatches: int = 4
+    """Minibatches per epoch; must divide the per-device batch (rollout_length x envs per device)."""
+    vtrace_lambda: float = 1.0
+    """Lambda of the V-trace targets (impala)."""
+    clip_rho_threshold: float = 1.0
+    """Importance-weight clip of the V-trace value targets (impala)."""
+    clip_pg_rho_threshold: float = 1.0
+    """Importance-weight clip of the V-trace policy-gradient advantages (impala)."""
+
+
+@dataclass
+class AnakinConfig:
+    rollout_length: int = 128
+    """Environment steps per update, per environment (T of the time-major trajectory)."""
+    updates_per_call: int = 50
+    """Updates fused into one compiled call; metrics are pulled once per call."""
+    replicas: int = 1
+    """Independent replicas (seeds) sharing each device through vmap."""
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = ""
+    """Run directory; empty means runs/<name>-<timestamp>."""
+    devices: list[int] = field(default_factory=list)
+    """Local device indices to use; empty means all local devices."""
+    cpu_devices: int = 0
+    """On CPU, fake this many host devices (XLA host platform device count); 0 leaves JAX alone."""
+    checkpoint_every: int = 0
+    """Checkpoint every this many updates (a multiple of updates_per_call); 0 means only at the end."""
+    keep_checkpoints: int = 2
+    """How many recent checkpoints to keep."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files to the run directory."""
+    progress: bool = True
+    """Print a live progress line to the console."""
+
+
+@dataclass
+class Config:
+    name: str = "anakin_cartpole"
+    """Name of the run, used for the run directory."""
+    architecture: str = "anakin"
+    """Podracer architecture: 'anakin' (JAX environments)."""
+    seed: int = 0
+    """Seed of every PRNG key in the run."""
+    total_env_steps: int = 512_000
+    """Environment steps per replica; rounded up to a whole number of compiled calls."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    anakin: AnakinConfig = field(default_factory=AnakinConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+ARCHITECTURES = ("anakin",)
+AGENTS = ("ppo", "impala")
+TORSOS = ("mlp", "nature_cnn", "impala_resnet")
+ACTIVATIONS = ("tanh", "relu")
+OPTIMIZERS = ("adam", "rmsprop")
+
+
+# --------------------------------------------------------------------------------------------------
+# Building a config from dicts, YAML presets and overrides
+
+def _preset_dir() -> pathlib.Path:
+    # configs/ beside the package in a checkout (editable install); podray/presets in a wheel.
+    here = pathlib.Path(__file__).resolve().parent
+    for candidate in (here.parent / "configs", here / "presets"):
+        if candidate.is_dir():
+            return candidate
+    return here.parent / "configs"
+
+
+PRESET_DIR = _preset_dir()
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(path: str, tp: Any, value: Any) -> Any:
+    """Checks `value` against the annotated type `tp`; returns it (ints widen to float)."""
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list of {_type_name(item_tp)}, got {value!r}")
+        return [_coerce(f"{path}[{i}]", item_tp, v) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(path, arg, value)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{path}: {value!r} is not one of {args}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value
+    raise ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _apply(obj: Any, updates: dict[str, Any], prefix: str = "") -> None:
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    for key, value in updates.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"{path}: unknown key; valid keys here are {', '.join(names)}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: expected a mapping of {', '.join(f.name for f in dataclasses.fields(current))}")
+            _apply(current, value, prefix=f"{path}.")
+        else:
+            setattr(obj, key, _coerce(path, hints[key], value))
+
+
+def from_dict(data: dict[str, Any] | None, base: Config | None = None) -> Config:
+    """Builds a Config from a nested dict over `base` (defaults if None); rejects unknown keys."""
+    config = dataclasses.replace(base) if base is not None else Config()
+    config = _deepcopy(config)
+    if data:
+        if not isinstance(data, dict):
+            raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
+        _apply(config, data)
+    return config
+
+
+def _deepcopy(config: Config) -> Config:
+    import copy
+
+    return copy.deepcopy(config)
+
+
+def load_yaml(path_or_name: str) -> dict[str, Any]:
+    """Reads a preset by name (configs/NAME.yaml) or a YAML file by path."""
+    path = pathlib.Path(path_or_name)
+    if not path.suffix and not path.exists():
+        path = PRESET_DIR / f"{path_or_name}.yaml"
+        if not path.exists():
+            raise ConfigError(
+                f"preset '{path_or_name}' does not exist; presets are {', '.join(preset_names())}, "
+                "or give the path of a YAML file"
+            )
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    return data or {}
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """Turns 'agent.learning_rate=3e-4' into {'agent': {'learning_rate': 3e-4}} (values are YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.field=value, e.g. agent.learning_rate=3e-4")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set {text!r}: empty field name")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML: {e}") from e
+    if isinstance(value, str):
+        # YAML reads '1e5' as a string; accept plain scientific notation as numbers.
+        try:
+            value = int(value) if value.lstrip("+-").isdigit() else float(value)
+        except ValueError:
+            pass
+    out: dict[str, Any] = {}
+    node = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load(preset: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Builds and validates a Config from a preset name or YAML path plus `--set` overrides."""
+    data = load_yaml(preset) if preset else load_yaml("anakin_cartpole")
+    for text in overrides:
+        data = _merge(data, parse_override(text))
+    config = from_dict(data)
+    validate(config)
+    return config
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation (no JAX compilation; environment lookups are pure Python)
+
+
+def _positive(path: str, value: int | float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{path}: must be positive, got {value}")
+
+
+def _choice(path: str, value: str, allowed: typing.Sequence[str]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{path}: '{value}' is not valid; choose one of {', '.join(allowed)}")
+
+
+def validate(config: Config) -> None:
+    """Checks the config as a whole; raises ConfigError naming the field. Compiles nothing."""
+    _choice("architecture", config.architecture, ARCHITECTURES)
+    _positive("total_env_steps", config.total_env_steps)
+    _positive("env.num_envs", config.env.num_envs)
+    n = config.network
+    _choice("network.torso", n.torso, TORSOS)
+    _choice("network.activation", n.activation, ACTIVATIONS)
+    _positive("network.depth", n.depth)
+    _positive("network.width", n.width)
+    a = config.agent
+    _choice("agent.name", a.name, AGENTS)
+    _choice("agent.optimizer", a.optimizer, OPTIMIZERS)
+    _positive("agent.learning_rate", a.learning_rate)
+    _positive("agent.epochs", a.epochs)
+    _positive("agent.num_minibatches", a.num_minibatches)
+    if a.max_grad_norm < 0:
+        raise ConfigError(f"agent.max_grad_norm: must be >= 0 (0 disables clipping), got {a.max_grad_norm}")
+    for name in ("discount", "gae_lambda", "vtrace_lambda"):
+        value = getattr(a, name)
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"agent.{name}: must be in [0, 1], got {value}")
+    for name in ("clip_epsilon", "clip_rho_threshold", "clip_pg_rho_threshold"):
+        _positive(f"agent.{name}", getattr(a, name))
+    for name in ("value_coef", "entropy_coef"):
+        if getattr(a, name) < 0:
+            raise ConfigError(f"agent.{name}: must be >= 0, got {getattr(a, name)}")
+    k = config.anakin
+    _positive("anakin.rollout_length", k.rollout_length)
+    _positive("anakin.updates_per_call", k.updates_per_call)
+    _positive("anakin.replicas", k.replicas)
+    r = config.run
+    if r.checkpoint_every < 0 or r.checkpoint_every % k.updates_per_call:
+        raise ConfigError(
+            f"run.checkpoint_every: {r.checkpoint_every} must be 0 or a positive multiple of "
+            f"anakin.updates_per_call ({k.updates_per_call}), since checkpoints are taken between calls"
+        )
+    _positive("run.keep_checkpoints", r.keep_checkpoints)
+    if r.cpu_devices < 0:
+        raise ConfigError(f"run.cpu_devices: must be >= 0, got {r.cpu_devices}")
+    if any(i < 0 for i in r.devices) or len(set(r.devices)) != len(r.devices):
+        raise ConfigError(f"run.devices: indices must be distinct and >= 0, got {r.devices}")
+    if config.architecture == "anakin":
+        from podray.envs import jax_envs
+
+        jax_envs.check_name(config.env.name)  # raises ConfigError
+        if n.torso != "mlp" and len(jax_envs.observation_shape(config.env.name)) != 3:
+            raise ConfigError(
+                f"network.torso: '{n.torso}' needs image observations [H, W, C]; {config.env.name} has "
+                f"shape {jax_envs.observation_shape(config.env.name)}; use network.torso=mlp"
+            )
+    if r.devices and r.cpu_devices and max(r.devices) >= r.cpu_devices:
+        raise ConfigError(f"run.devices: index {max(r.devices)} is out of range for run.cpu_devices={r.cpu_devices}")
+    if r.devices:
+        validate_devices(config, len(r.devices))
+    elif r.cpu_devices:
+        validate_devices(config, r.cpu_devices)
+
+
+def validate_devices(config: Config, num_devices: int) -> None:
+    """The checks that need the device count (still before any compilation)."""
+    num_envs = config.env.num_envs
+    if num_envs % num_devices:
+        raise ConfigError(
+            f"env.num_envs: {num_envs} environments do not divide over {num_devices} devices; use a "
+            f"multiple of {num_devices}, e.g. {num_devices * max(1, num_envs // num_devices)}"
+        )
+    per_device_batch = config.anakin.rollout_length * (num_envs // num_devices)
+    mb = config.agent.num_minibatches
+    if per_device_batch % mb:
+        raise ConfigError(
+            f"agent.num_minibatches: {mb} does not divide the per-device batch of {per_device_batch} "
+            f"(anakin.rollout_length x env.num_envs / devices); choose a divisor of {per_device_batch}"
+        )
+
+
+def dump_yaml(config: Config) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

@@ -1,0 +1,146 @@
+"""Batched JAX environments with automatic reset and episode statistics, for Anakin.
+
+Any discrete-action gymnax environment can be used by name. The whole step, reset included, is a pure
+JAX function, so Anakin can vmap it over a batch and scan it over a rollout inside one compiled
+program. gymnax resets an environment inside `step` when its episode ends; we add the bookkeeping of
+episode returns, so that reported returns are those of completed episodes only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from podray.envs.spec import EnvSpec
+
+
+@struct.dataclass
+class EnvState:
+    """State of a batch of B environments.
+
+    Attributes:
+      inner: the gymnax state, each leaf [B, ...].
+      episode_return: [B] return of the episode in progress.
+      episode_length: [B] steps of the episode in progress.
+    """
+
+    inner: Any
+    episode_return: chex.Array
+    episode_length: chex.Array
+
+
+@struct.dataclass
+class TimeStep:
+    """The result of stepping B environments once.
+
+    Attributes:
+      obs: [B, *obs_shape] next observation (the first of a new episode where `done`).
+      reward: [B] reward of this transition.
+      discount: [B] 0 where the episode ended on this transition, else 1.
+      done: [B] bool, the episode ended on this transition.
+      episode_return: [B] return of the episode that ended here (0 where not `done`).
+      episode_length: [B] length of the episode that ended here (0 where not `done`).
+    """
+
+    obs: chex.Array
+    reward: chex.Array
+    discount: chex.Array
+    done: chex.Array
+    episode_return: chex.Array
+    episode_length: chex.Array
+
+
+def _gymnax():
+    import gymnax
+
+    return gymnax
+
+
+def check_name(name: str) -> None:
+    """Raises ConfigError unless `name` is a discrete-action gymnax environment."""
+    from podray.config import ConfigError
+
+    gymnax = _gymnax()
+    if name not in gymnax.registered_envs:
+        raise ConfigError(
+            f"env.name: '{name}' is not a JAX (gymnax) environment; Anakin runs one of "
+            f"{', '.join(gymnax.registered_envs)}"
+        )
+    env, params = gymnax.make(name)
+    space = env.action_space(params)
+    if not hasattr(space, "n"):
+        raise ConfigError(
+            f"env.name: '{name}' has continuous actions; podray's agents need a discrete action space"
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def observation_shape(name: str) -> tuple[int, ...]:
+    gymnax = _gymnax()
+    env, params = gymnax.make(name)
+    return tuple(env.observation_space(params).shape)
+
+
+class JaxEnv:
+    """A batch of gymnax environments with auto-reset. Methods are pure and jit/vmap-friendly."""
+
+    def __init__(self, name: str):
+        check_name(name)
+        self._env, self._params = _gymnax().make(name)
+        obs_space = self._env.observation_space(self._params)
+        self.spec = EnvSpec(
+            name=name,
+            obs_shape=tuple(obs_space.shape),
+            obs_dtype=str(jnp.dtype(obs_space.dtype)),
+            num_actions=int(self._env.action_space(self._params).n),
+        )
+
+    def reset(self, keys: chex.Array) -> tuple[EnvState, chex.Array]:
+        """Resets B environments.
+
+        Args:
+          keys: [B] PRNG keys, one per environment (consumed).
+        Returns:
+          (state, obs) with obs [B, *obs_shape].
+        """
+        obs, inner = jax.vmap(self._env.reset, in_axes=(0, None))(keys, self._params)
+        zeros = jnp.zeros(keys.shape[:1], jnp.float32)
+        state = EnvState(inner=inner, episode_return=zeros, episode_length=zeros.astype(jnp.int32))
+        return state, obs.astype(self.spec.obs_dtype)
+
+    def step(self, state: EnvState, action: chex.Array, keys: chex.Array) -> tuple[EnvState, TimeStep]:
+        """Steps B environments once, resetting those whose episode ends.
+
+        Args:
+          state: the batch state.
+          action: [B] int actions.
+          keys: [B] PRNG keys (consumed).
+        """
+        obs, inner, reward, terminated, truncated, _ = jax.vmap(self._env.step, in_axes=(0, 0, 0, None))(
+            keys, state.inner, action, self._params
+        )
+        # A time-limit truncation also cuts the return (discount 0), as in PureJaxRL: bootstrapping
+        # from the final observation would need a second network call on every step.
+        done = jnp.logical_or(terminated, truncated)
+        reward = reward.astype(jnp.float32)
+        episode_return = state.episode_return + reward
+        episode_length = state.episode_length + 1
+        ts = TimeStep(
+            obs=obs.astype(self.spec.obs_dtype),
+            reward=reward,
+            discount=1.0 - done.astype(jnp.float32),
+            done=done,
+            episode_return=jnp.where(done, episode_return, 0.0),
+            episode_length=jnp.where(done, episode_length, 0),
+        )
+        new_state = EnvState(
+            inner=inner,
+            episode_return=jnp.where(done, 0.0, episode_return),
+            episode_length=jnp.where(done, 0, episode_length),
+        )
+        return new_state, ts

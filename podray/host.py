@@ -1,0 +1,83 @@
+"""Which process this is, which devices it drives, and the global mesh over every host's devices.
+
+The architectures take a HostContext and never ask JAX for "the" device: the same program runs on one
+process with 4 fake CPU devices or on 4 hosts of 8 TPU cores each (shared/DESIGN.md, principle 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+DEVICE_AXIS = "device"
+
+
+@dataclass(frozen=True)
+class HostContext:
+    """One process of a (possibly multi-host) JAX program.
+
+    Attributes:
+      process_index: this process, 0 .. process_count - 1.
+      process_count: processes (hosts) in the program.
+      local_devices: the devices this process drives, in order.
+      devices: every device of the program, host by host (the mesh's order).
+    """
+
+    process_index: int
+    process_count: int
+    local_devices: tuple
+    devices: tuple
+
+    @property
+    def is_leader(self) -> bool:
+        """Process 0 writes logs, summaries and checkpoint metadata."""
+        return self.process_index == 0
+
+    def mesh(self, axis_name: str = DEVICE_AXIS) -> Mesh:
+        """A 1-D mesh over all devices of all hosts, named `axis_name`."""
+        return Mesh(np.asarray(self.devices, dtype=object), (axis_name,))
+
+
+def select_local_devices(indices: Sequence[int] = ()) -> list:
+    """This process's devices, or those at `indices` among them; errors name run.devices."""
+    local = jax.local_devices()
+    if not indices:
+        return list(local)
+    bad = [i for i in indices if i >= len(local)]
+    if bad:
+        from podray.config import ConfigError
+
+        raise ConfigError(
+            f"run.devices: index {bad[0]} is out of range; this host has {len(local)} devices "
+            f"(0..{len(local) - 1}); on CPU set run.cpu_devices to fake more"
+        )
+    return [local[i] for i in indices]
+
+
+def local_context(device_indices: Sequence[int] = ()) -> HostContext:
+    """The context of a single-process run (also the one each host of a multi-host run derives from)."""
+    local = select_local_devices(device_indices)
+    if jax.process_count() == 1:
+        return HostContext(0, 1, tuple(local), tuple(local))
+    # Multi-host: every process selects the same local indices; the mesh lists hosts in order.
+    by_process: dict[int, list] = {}
+    chosen_ids = {d.id for d in local}
+    positions = [jax.local_devices().index(d) for d in local]
+    for d in jax.devices():
+        by_process.setdefault(d.process_index, []).append(d)
+    devices = []
+    for p in sorted(by_process):
+        host_devices = sorted(by_process[p], key=lambda d: d.id)
+        devices.extend(host_devices[i] for i in positions)
+    del chosen_ids
+    return HostContext(jax.process_index(), jax.process_count(), tuple(local), tuple(devices))
+
+
+def configure_cpu_devices(count: int) -> None:
+    """Fakes `count` CPU devices; must run before JAX initialises its backends."""
+    if count > 0:
+        jax.config.update("jax_num_cpu_devices", count)

@@ -1,0 +1,94 @@
+"""The training entry point: config in, run directory and Summary out.
+
+`train(config)` is what `podray train` calls in-process (and what each host worker of the Ray layer
+calls): it validates the config, chooses the devices, prepares the run directory (resolved config,
+metrics.jsonl, TensorBoard events, checkpoints, summary.json) and runs the architecture.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import pathlib
+from typing import Sequence
+
+from podray import config as config_lib
+from podray.metrics import ConsoleProgress, JsonlSink, Sink, Sinks, TensorBoardSink, truncate_jsonl
+
+
+def default_run_dir(config: config_lib.Config) -> pathlib.Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    return pathlib.Path("runs") / f"{config.name}-{stamp}"
+
+
+def load_run_config(run_dir: str | pathlib.Path) -> config_lib.Config:
+    """The config a run directory was started with (for --resume)."""
+    path = pathlib.Path(run_dir) / "config.yaml"
+    if not path.exists():
+        raise config_lib.ConfigError(
+            f"--resume {run_dir}: no config.yaml there; give the directory of an earlier podray run"
+        )
+    config = config_lib.from_dict(config_lib.load_yaml(str(path)))
+    config_lib.validate(config)
+    return config
+
+
+def _write_json(path: pathlib.Path, data: dict) -> None:
+    clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in data.items()}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(clean, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def train(
+    config: config_lib.Config,
+    run_dir: str | pathlib.Path | None = None,
+    resume: bool = False,
+    host=None,
+    extra_sinks: Sequence[Sink] = (),
+):
+    """Trains with `config`, writing to `run_dir`; returns the architecture's Summary.
+
+    Args:
+      config: a Config (validated here again, before anything compiles).
+      run_dir: the run directory; None takes config.run.run_dir or runs/<name>-<time>.
+      resume: continue from the latest checkpoint in run_dir.
+      host: a podray.host.HostContext; None means this process and config.run.devices.
+      extra_sinks: more metric sinks (Ray's dashboard, Ray Tune), fed on process 0.
+    """
+    config_lib.validate(config)
+    from podray import host as host_lib
+
+    if host is None:
+        host_lib.configure_cpu_devices(config.run.cpu_devices)
+        host = host_lib.local_context(config.run.devices)
+    config_lib.validate_devices(config, len(host.devices))
+
+    run_dir = pathlib.Path(run_dir or config.run.run_dir or default_run_dir(config)).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from podray.checkpoint import Checkpointer
+
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=config.run.keep_checkpoints)
+    sinks: list[Sink] = []
+    if host.is_leader:
+        (run_dir / "config.yaml").write_text(config_lib.dump_yaml(config))
+        if resume and checkpointer.latest_step() is not None:
+            truncate_jsonl(run_dir / "metrics.jsonl", checkpointer.latest_step())
+        sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+        if config.run.tensorboard:
+            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        if config.run.progress:
+            sinks.append(ConsoleProgress(config.total_env_steps * config.anakin.replicas))
+        sinks.extend(extra_sinks)
+    fanout = Sinks(sinks)
+    try:
+        from podray import anakin
+
+        summary = anakin.run(config, host, fanout, checkpointer=checkpointer, resume=resume, run_dir=str(run_dir))
+    finally:
+        fanout.close()
+        checkpointer.close()
+    if host.is_leader:
+        _write_json(run_dir / "summary.json", summary.to_dict())
+    return summary
