@@ -54,6 +54,17 @@ def _per_env_keys(key: chex.PRNGKey, env_ids: chex.Array) -> chex.Array:
     return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, env_ids)
 
 
+def _single_replica(f):
+    """vmap over a replica axis of size 1, written as squeeze/expand: XLA CPU runs the batched dots
+    that vmap makes about 5% slower than plain ones (measured on PPO CartPole)."""
+
+    def g(*args):
+        out = f(*jax.tree.map(lambda x: x[0], args))
+        return jax.tree.map(lambda x: x[None], out)
+
+    return g
+
+
 class AnakinProgram:
     """The compiled Anakin program for one config over one mesh.
 
@@ -69,8 +80,9 @@ class AnakinProgram:
         self.env = JaxEnv(config.env.name)
         k = config.anakin
         self.num_devices = mesh.size
-        self.envs_per_device = config.env.num_envs // mesh.size
-        self.steps_per_update = config.env.num_envs * k.rollout_length  # per replica
+        self.num_envs = config_lib.num_envs(config, mesh.size)
+        self.envs_per_device = self.num_envs // mesh.size
+        self.steps_per_update = self.num_envs * k.rollout_length  # per replica
         updates = math.ceil(config.total_env_steps / self.steps_per_update)
         self.num_calls = math.ceil(updates / k.updates_per_call)
         self.num_updates = self.num_calls * k.updates_per_call
@@ -81,9 +93,12 @@ class AnakinProgram:
         shard = lambda f, in_specs, out_specs: jax.shard_map(  # noqa: E731
             f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
         )
-        self.init = jax.jit(shard(jax.vmap(self._init_replica), P(), self._state_spec))
-        self.step = jax.jit(shard(jax.vmap(self._call_replica), (self._state_spec,), (self._state_spec, P())),
-                            donate_argnums=0)
+        over_replicas = jax.vmap if k.replicas > 1 else _single_replica
+        self.init = jax.jit(shard(over_replicas(self._init_replica), P(), self._state_spec))
+        self.step = jax.jit(
+            shard(over_replicas(self._call_replica), (self._state_spec,), (self._state_spec, P())),
+            donate_argnums=0,
+        )
 
     # ---- the per-device, per-replica program -------------------------------------------------------
 

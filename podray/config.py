@@ -30,8 +30,11 @@ class ConfigError(ValueError):
 class EnvConfig:
     name: str = "CartPole-v1"
     """Environment id: a gymnax id for Anakin (e.g. CartPole-v1, Catch-bsuite, Breakout-MinAtar)."""
-    num_envs: int = 4
-    """Environments per replica, summed over all devices; must divide evenly over the devices."""
+    num_envs: int = 0
+    """Environments per replica, summed over all devices (must divide over them); 0 means
+    envs_per_device on every device."""
+    envs_per_device: int = 4
+    """Environments per device and replica, used when num_envs is 0."""
 
 
 @dataclass
@@ -314,7 +317,10 @@ def validate(config: Config) -> None:
     """Checks the config as a whole; raises ConfigError naming the field. Compiles nothing."""
     _choice("architecture", config.architecture, ARCHITECTURES)
     _positive("total_env_steps", config.total_env_steps)
-    _positive("env.num_envs", config.env.num_envs)
+    if config.env.num_envs < 0:
+        raise ConfigError(f"env.num_envs: must be >= 0 (0 means envs_per_device per device), got {config.env.num_envs}")
+    if config.env.num_envs == 0:
+        _positive("env.envs_per_device", config.env.envs_per_device)
     n = config.network
     _choice("network.torso", n.torso, TORSOS)
     _choice("network.activation", n.activation, ACTIVATIONS)
@@ -369,15 +375,20 @@ def validate(config: Config) -> None:
         validate_devices(config, r.cpu_devices)
 
 
+def num_envs(config: Config, num_devices: int) -> int:
+    """Environments per replica over all `num_devices` devices."""
+    return config.env.num_envs or config.env.envs_per_device * num_devices
+
+
 def validate_devices(config: Config, num_devices: int) -> None:
     """The checks that need the device count (still before any compilation)."""
-    num_envs = config.env.num_envs
-    if num_envs % num_devices:
+    total = num_envs(config, num_devices)
+    if total % num_devices:
         raise ConfigError(
-            f"env.num_envs: {num_envs} environments do not divide over {num_devices} devices; use a "
-            f"multiple of {num_devices}, e.g. {num_devices * max(1, num_envs // num_devices)}"
+            f"env.num_envs: {total} environments do not divide over {num_devices} devices; use a "
+            f"multiple of {num_devices}, e.g. {num_devices * max(1, total // num_devices)}"
         )
-    per_device_batch = config.anakin.rollout_length * (num_envs // num_devices)
+    per_device_batch = config.anakin.rollout_length * (total // num_devices)
     mb = config.agent.num_minibatches
     if per_device_batch % mb:
         raise ConfigError(

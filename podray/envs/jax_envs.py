@@ -83,7 +83,9 @@ def check_name(name: str) -> None:
 def observation_shape(name: str) -> tuple[int, ...]:
     gymnax = _gymnax()
     env, params = gymnax.make(name)
-    return tuple(env.observation_space(params).shape)
+    # Traced, not compiled: validation must not start XLA.
+    obs, _ = jax.eval_shape(env.reset, jax.ShapeDtypeStruct((2,), jnp.uint32), params)
+    return tuple(obs.shape)
 
 
 class JaxEnv:

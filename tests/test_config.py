@@ -1,0 +1,77 @@
+"""Config: presets, overrides, and every kind of bad input rejected before anything compiles."""
+
+import subprocess
+import sys
+
+import pytest
+
+from podray import config as config_lib
+from podray.config import ConfigError
+
+
+def test_presets_load_and_validate():
+    for name in config_lib.preset_names():
+        config = config_lib.load(name)
+        assert config.name == name
+
+
+def test_override_types_and_scientific_notation():
+    config = config_lib.load(None, ["agent.learning_rate=3e-4", "env.num_envs=8", "run.devices=[0, 1]"])
+    assert config.agent.learning_rate == pytest.approx(3e-4)
+    assert config.env.num_envs == 8
+    assert config.run.devices == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["agent.nme=3"], "agent.nme"),
+        (["bogus.x=1"], "bogus"),
+        (["env.name=NotAnEnv-v0"], "env.name"),
+        (["env.name=Pendulum-v1"], "env.name"),  # continuous actions
+        (["agent.learning_rate=abc"], "agent.learning_rate"),
+        (["agent.epochs=2.5"], "agent.epochs"),
+        (["anakin.rollout_length=0"], "anakin.rollout_length"),
+        (["env.num_envs=-4"], "env.num_envs"),
+        (["network.depth=0"], "network.depth"),
+        (["agent.discount=1.5"], "agent.discount"),
+        (["agent.name=dqn"], "agent.name"),
+        (["network.torso=nature_cnn"], "network.torso"),  # CartPole has no images
+        (["run.checkpoint_every=7"], "run.checkpoint_every"),
+        (["env.num_envs=6", "run.cpu_devices=4"], "env.num_envs"),
+        (["agent.num_minibatches=3"], "agent.num_minibatches"),
+        (["run.devices=[0, 0]"], "run.devices"),
+    ],
+)
+def test_bad_config_names_the_field_without_compiling(overrides, field, compile_counter):
+    with pytest.raises(ConfigError) as info:
+        config = config_lib.load(None, overrides)
+        config_lib.validate_devices(config, 4)
+    assert str(info.value).startswith(field), info.value
+    assert compile_counter == []
+
+
+def test_batch_not_divisible_over_devices_is_rejected():
+    config = config_lib.load(None, ["env.num_envs=6"])
+    with pytest.raises(ConfigError, match="env.num_envs: 6 environments do not divide over 4 devices"):
+        config_lib.validate_devices(config, 4)
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="section.field=value"):
+        config_lib.parse_override("agent.learning_rate")
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(ConfigError, match="anakin_cartpole"):
+        config_lib.load("no_such_preset")
+
+
+def test_cli_rejects_bad_config_quickly():
+    proc = subprocess.run(
+        [sys.executable, "-m", "podray.cli", "train", "--set", "env.name=Nope-v0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "podray: error: env.name: 'Nope-v0' is not a JAX (gymnax) environment" in proc.stderr
+    assert "Traceback" not in proc.stderr
