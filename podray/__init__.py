@@ -11,8 +11,8 @@ from podray.config import Config, ConfigError
 
 
 def train(config, run_dir=None, resume=False, **kwargs):
-    """Trains `config` (see podray.train.train); imports JAX only when called."""
-    from podray.train import train as _train
+    """Trains `config` (see podray.training.train); imports JAX only when called."""
+    from podray.training import train as _train
 
     return _train(config, run_dir=run_dir, resume=resume, **kwargs)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, fields
 from typing import Any
 
 import chex
@@ -26,6 +25,7 @@ from podray import config as config_lib
 from podray.agents import TrainState, Trajectory, make_agent
 from podray.envs.jax_envs import EnvState, JaxEnv
 from podray.host import DEVICE_AXIS, HostContext
+from podray.program import Summary
 
 
 @struct.dataclass
@@ -156,42 +156,22 @@ class AnakinProgram:
 
     def abstract_state(self, seed: int) -> RunnerState:
         """Shapes, dtypes and shardings of the state (what a checkpoint restores into)."""
-        keys = jax.ShapeDtypeStruct((self.config.anakin.replicas, 2), jnp.uint32,
-                                    sharding=NamedSharding(self.mesh, P()))
+        keys = jax.ShapeDtypeStruct(
+            (self.config.anakin.replicas, 2), jnp.uint32, sharding=NamedSharding(self.mesh, P())
+        )
         return jax.eval_shape(self.init, keys)
-
-
-@dataclass
-class Summary:
-    """What a run reports at its end (also written as summary.json)."""
-
-    final_mean_return: float
-    env_steps: int
-    wall_s: float
-    steps_per_s: float
-    updates: int
-    run_dir: str
-    replica_returns: list[float]
-    compile_s: float = 0.0
-    steady_steps_per_s: float = 0.0
-    final_state: Any = field(default=None, repr=False)
-    """The program state at the end (device arrays); not part of summary.json."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "final_state"}
 
 
 def _mean_return(metrics: dict[str, Any]) -> tuple[float, list[float]]:
     """Mean return over completed episodes, averaged over replicas (NaN where none completed)."""
-    per_replica = [
-        float(r / e) if e > 0 else math.nan for r, e in zip(metrics["return_sum"], metrics["episodes"])
-    ]
+    per_replica = [float(r / e) if e > 0 else math.nan for r, e in zip(metrics["return_sum"], metrics["episodes"])]
     finite = [r for r in per_replica if not math.isnan(r)]
     return (sum(finite) / len(finite) if finite else math.nan), per_replica
 
 
-def run(config: config_lib.Config, host: HostContext, sinks, checkpointer=None, resume: bool = False,
-        run_dir: str = "") -> Summary:
+def run(
+    config: config_lib.Config, host: HostContext, sinks, checkpointer=None, resume: bool = False, run_dir: str = ""
+) -> Summary:
     """Runs Anakin for `config` on `host`'s devices and reports to `sinks`.
 
     Args:
@@ -258,9 +238,13 @@ def run(config: config_lib.Config, host: HostContext, sinks, checkpointer=None, 
             report(*pending)
             pending = None
             wall = elapsed_before + time.perf_counter() - start
-            meta = {"calls": call + 1, "updates": done_updates, "wall_s": wall,
-                    "env_steps": done_updates * program.steps_per_update * k.replicas,
-                    "config": config.to_dict()}
+            meta = {
+                "calls": call + 1,
+                "updates": done_updates,
+                "wall_s": wall,
+                "env_steps": done_updates * program.steps_per_update * k.replicas,
+                "config": config.to_dict(),
+            }
             checkpointer.save(done_updates, state, meta)
     if pending is not None:
         report(*pending)

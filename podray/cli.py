@@ -18,7 +18,7 @@ from podray import config as config_lib
 
 
 def _train(args: argparse.Namespace) -> int:
-    from podray.train import load_run_config
+    from podray.training import load_run_config
 
     if args.resume:
         if args.preset or args.set:
@@ -29,7 +29,7 @@ def _train(args: argparse.Namespace) -> int:
         config = config_lib.load(args.preset, args.set)
         run_dir = args.run_dir
     # JAX starts only now, after the whole config has been checked.
-    from podray.train import train
+    from podray.training import train
 
     summary = train(config, run_dir=run_dir, resume=bool(args.resume))
     ret = summary.final_mean_return
@@ -55,10 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="podray", description="Podracer architectures on JAX and Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train an agent (default: Anakin PPO on CartPole-v1)")
-    t.add_argument("preset", nargs="?", default=None,
-                   help=f"preset name ({', '.join(config_lib.preset_names())}) or a YAML file")
-    t.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field, e.g. --set agent.learning_rate=3e-4 (repeatable)")
+    t.add_argument(
+        "preset", nargs="?", default=None, help=f"preset name ({', '.join(config_lib.preset_names())}) or a YAML file"
+    )
+    t.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a config field, e.g. --set agent.learning_rate=3e-4 (repeatable)",
+    )
     t.add_argument("--run-dir", default=None, help="run directory (default runs/<name>-<time>)")
     t.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     t.set_defaults(func=_train)

@@ -146,6 +146,7 @@ OPTIMIZERS = ("adam", "rmsprop")
 # --------------------------------------------------------------------------------------------------
 # Building a config from dicts, YAML presets and overrides
 
+
 def _preset_dir() -> pathlib.Path:
     # configs/ beside the package in a checkout (editable install); podray/presets in a wheel.
     here = pathlib.Path(__file__).resolve().parent
@@ -213,7 +214,9 @@ def _apply(obj: Any, updates: dict[str, Any], prefix: str = "") -> None:
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise ConfigError(f"{path}: expected a mapping of {', '.join(f.name for f in dataclasses.fields(current))}")
+                raise ConfigError(
+                    f"{path}: expected a mapping of {', '.join(f.name for f in dataclasses.fields(current))}"
+                )
             _apply(current, value, prefix=f"{path}.")
         else:
             setattr(obj, key, _coerce(path, hints[key], value))

@@ -64,16 +64,14 @@ def local_context(device_indices: Sequence[int] = ()) -> HostContext:
     if jax.process_count() == 1:
         return HostContext(0, 1, tuple(local), tuple(local))
     # Multi-host: every process selects the same local indices; the mesh lists hosts in order.
-    by_process: dict[int, list] = {}
-    chosen_ids = {d.id for d in local}
     positions = [jax.local_devices().index(d) for d in local]
+    by_process: dict[int, list] = {}
     for d in jax.devices():
         by_process.setdefault(d.process_index, []).append(d)
     devices = []
     for p in sorted(by_process):
         host_devices = sorted(by_process[p], key=lambda d: d.id)
         devices.extend(host_devices[i] for i in positions)
-    del chosen_ids
     return HostContext(jax.process_index(), jax.process_count(), tuple(local), tuple(devices))
 
 

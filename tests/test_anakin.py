@@ -12,7 +12,7 @@ from podray import config as config_lib
 from podray.anakin import AnakinProgram
 from podray.host import HostContext
 from podray.metrics import read_jsonl
-from podray.train import train
+from podray.training import train
 
 
 def _host(n: int) -> HostContext:
@@ -53,9 +53,18 @@ def test_four_devices_match_one_device(agent):
     PPO runs one minibatch per epoch here: with several, which samples share a minibatch depends on
     the device count (each device shuffles its own shard), so only the full-batch step is the same math.
     """
-    config = _config(None, **{"agent.name": agent, "env.num_envs": 8, "anakin.rollout_length": 16,
-                              "agent.num_minibatches": 1, "agent.epochs": 2,
-                              "anakin.updates_per_call": 4, "total_env_steps": 8 * 16 * 8})
+    config = _config(
+        None,
+        **{
+            "agent.name": agent,
+            "env.num_envs": 8,
+            "anakin.rollout_length": 16,
+            "agent.num_minibatches": 1,
+            "agent.epochs": 2,
+            "anakin.updates_per_call": 4,
+            "total_env_steps": 8 * 16 * 8,
+        },
+    )
     one, m1 = _run_program(config, 1, 2)
     four, m4 = _run_program(config, 4, 2)
     leaves1, leaves4 = jax.tree.leaves(one.train.params), jax.tree.leaves(four.train.params)
@@ -98,8 +107,13 @@ class _FailAt:
 
 
 def test_resume_after_interruption_is_bitwise_identical(tmp_path):
-    overrides = {"env.num_envs": 8, "anakin.updates_per_call": 2, "run.checkpoint_every": 4,
-                 "total_env_steps": 8 * 128 * 10, "run.devices": "[0, 1]"}
+    overrides = {
+        "env.num_envs": 8,
+        "anakin.updates_per_call": 2,
+        "run.checkpoint_every": 4,
+        "total_env_steps": 8 * 128 * 10,
+        "run.devices": "[0, 1]",
+    }
     config = _config(None, **overrides)
     full = train(config, run_dir=tmp_path / "full")
 
@@ -109,8 +123,9 @@ def test_resume_after_interruption_is_bitwise_identical(tmp_path):
 
     assert Checkpointer(tmp_path / "cut" / "checkpoints").latest_step() == 4
     resumed = train(config, run_dir=tmp_path / "cut", resume=True)
-    for x, y in zip(jax.tree.leaves(jax.device_get(full.final_state)),
-                    jax.tree.leaves(jax.device_get(resumed.final_state))):
+    for x, y in zip(
+        jax.tree.leaves(jax.device_get(full.final_state)), jax.tree.leaves(jax.device_get(resumed.final_state))
+    ):
         np.testing.assert_array_equal(x, y)
     assert resumed.final_mean_return == full.final_mean_return
     steps = [row["step"] for row in read_jsonl(tmp_path / "cut" / "metrics.jsonl")]
@@ -118,8 +133,10 @@ def test_resume_after_interruption_is_bitwise_identical(tmp_path):
 
 
 def test_replicas_share_a_device_and_differ():
-    config = _config(None, **{"anakin.replicas": 3, "anakin.updates_per_call": 2, "total_env_steps": 4 * 128 * 2,
-                              "run.devices": "[0]"})
+    config = _config(
+        None,
+        **{"anakin.replicas": 3, "anakin.updates_per_call": 2, "total_env_steps": 4 * 128 * 2, "run.devices": "[0]"},
+    )
     state, metrics = _run_program(config, 1, 1)
     kernel = jax.tree.leaves(state.train.params)[0]
     assert kernel.shape[0] == 3
@@ -130,9 +147,21 @@ def test_replicas_share_a_device_and_differ():
 def test_default_cli_job_end_to_end(tmp_path):
     """`podray train` with the default preset, shortened, writes the whole run directory."""
     proc = subprocess.run(
-        [sys.executable, "-m", "podray.cli", "train", "--run-dir", str(tmp_path / "run"),
-         "--set", "total_env_steps=51200", "--set", "anakin.updates_per_call=25"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "podray.cli",
+            "train",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            "total_env_steps=51200",
+            "--set",
+            "anakin.updates_per_call=25",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert "done: final mean return" in proc.stdout
@@ -145,6 +174,7 @@ def test_default_cli_job_end_to_end(tmp_path):
     assert any((run / "tensorboard").iterdir())
     assert any((run / "checkpoints").iterdir())
     # and --resume of a finished run is a no-op that reports the same steps
-    proc = subprocess.run([sys.executable, "-m", "podray.cli", "train", "--resume", str(run)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "podray.cli", "train", "--resume", str(run)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr

@@ -70,7 +70,9 @@ def test_unknown_preset_lists_the_presets():
 def test_cli_rejects_bad_config_quickly():
     proc = subprocess.run(
         [sys.executable, "-m", "podray.cli", "train", "--set", "env.name=Nope-v0"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "podray: error: env.name: 'Nope-v0' is not a JAX (gymnax) environment" in proc.stderr

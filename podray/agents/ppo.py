@@ -58,9 +58,12 @@ class PPO(Agent):
         ratio = jnp.exp(new_log_prob - batch.old_log_prob)
         policy_loss = rlax.clipped_surrogate_pg_loss(ratio, advantage, c.clip_epsilon)
         value_clipped = batch.old_value + jnp.clip(out.value - batch.old_value, -c.clip_epsilon, c.clip_epsilon)
-        value_loss = 0.5 * jnp.maximum(
-            jnp.square(out.value - batch.value_target), jnp.square(value_clipped - batch.value_target)
-        ).mean()
+        value_loss = (
+            0.5
+            * jnp.maximum(
+                jnp.square(out.value - batch.value_target), jnp.square(value_clipped - batch.value_target)
+            ).mean()
+        )
         entropy_loss = rlax.entropy_loss(out.logits, jnp.ones_like(ratio))  # = -mean entropy
         loss = policy_loss + c.value_coef * value_loss + c.entropy_coef * entropy_loss
         metrics = {

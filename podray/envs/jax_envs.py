@@ -74,9 +74,7 @@ def check_name(name: str) -> None:
     env, params = gymnax.make(name)
     space = env.action_space(params)
     if not hasattr(space, "n"):
-        raise ConfigError(
-            f"env.name: '{name}' has continuous actions; podray's agents need a discrete action space"
-        )
+        raise ConfigError(f"env.name: '{name}' has continuous actions; podray's agents need a discrete action space")
 
 
 @functools.lru_cache(maxsize=None)

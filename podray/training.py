@@ -83,9 +83,11 @@ def train(
         sinks.extend(extra_sinks)
     fanout = Sinks(sinks)
     try:
-        from podray import anakin
+        from podray.program import program_module
 
-        summary = anakin.run(config, host, fanout, checkpointer=checkpointer, resume=resume, run_dir=str(run_dir))
+        summary = program_module(config.architecture).run(
+            config, host, fanout, checkpointer=checkpointer, resume=resume, run_dir=str(run_dir)
+        )
     finally:
         fanout.close()
         checkpointer.close()
