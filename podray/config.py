@@ -114,6 +114,19 @@ class RunConfig:
     """Also write TensorBoard event files to the run directory."""
     progress: bool = True
     """Print a live progress line to the console."""
+    hosts: int = 1
+    """Host workers (Ray actors, one JAX process each) forming one multi-host program; on CPU each
+    fakes run.cpu_devices devices. Ignored on TPU slices, where the slice decides (run.tpu_topology)."""
+    max_restarts: int = 2
+    """Ray layer: how many times a group whose host worker died is restarted from the latest checkpoint."""
+    seeds: list[int] = field(default_factory=list)
+    """Ray layer: independent replicas of the run, one per seed, each with its own run directory
+    (run_dir/seed-N) and metrics; empty means one run with `seed`."""
+    tpu_topology: str = ""
+    """Ray layer: reserve a TPU slice of this topology (e.g. 2x2x1 for v4-8, 2x2x4 for v4-32) through
+    ray.util.tpu and place one host worker per TPU host; empty means CPU/GPU host workers."""
+    tpu_version: str = ""
+    """TPU generation of run.tpu_topology (e.g. v4, v5e, v5p, v6e)."""
 
 
 @dataclass
@@ -359,6 +372,18 @@ def validate(config: Config) -> None:
     _positive("run.keep_checkpoints", r.keep_checkpoints)
     if r.cpu_devices < 0:
         raise ConfigError(f"run.cpu_devices: must be >= 0, got {r.cpu_devices}")
+    _positive("run.hosts", r.hosts)
+    if r.max_restarts < 0:
+        raise ConfigError(f"run.max_restarts: must be >= 0 (0 means fail on the first lost host), got {r.max_restarts}")
+    if len(set(r.seeds)) != len(r.seeds):
+        raise ConfigError(f"run.seeds: seeds must be distinct, got {r.seeds}")
+    if bool(r.tpu_topology) != bool(r.tpu_version):
+        raise ConfigError(
+            "run.tpu_topology and run.tpu_version go together (e.g. run.tpu_topology=2x2x4 "
+            f"run.tpu_version=v4); got topology '{r.tpu_topology}', version '{r.tpu_version}'"
+        )
+    if r.tpu_topology and r.hosts != 1:
+        raise ConfigError("run.hosts: leave it at 1 with run.tpu_topology; the TPU slice sets the number of hosts")
     if any(i < 0 for i in r.devices) or len(set(r.devices)) != len(r.devices):
         raise ConfigError(f"run.devices: indices must be distinct and >= 0, got {r.devices}")
     if config.architecture == "anakin":
@@ -375,7 +400,7 @@ def validate(config: Config) -> None:
     if r.devices:
         validate_devices(config, len(r.devices))
     elif r.cpu_devices:
-        validate_devices(config, r.cpu_devices)
+        validate_devices(config, r.cpu_devices * r.hosts)
 
 
 def num_envs(config: Config, num_devices: int) -> int:
