@@ -382,6 +382,8 @@ def validate(config: Config) -> None:
             "run.tpu_topology and run.tpu_version go together (e.g. run.tpu_topology=2x2x4 "
             f"run.tpu_version=v4); got topology '{r.tpu_topology}', version '{r.tpu_version}'"
         )
+    if r.tpu_topology:
+        _check_tpu_slice(r.tpu_topology, r.tpu_version)
     if r.tpu_topology and r.hosts != 1:
         raise ConfigError("run.hosts: leave it at 1 with run.tpu_topology; the TPU slice sets the number of hosts")
     if any(i < 0 for i in r.devices) or len(set(r.devices)) != len(r.devices):
@@ -401,6 +403,23 @@ def validate(config: Config) -> None:
         validate_devices(config, len(r.devices))
     elif r.cpu_devices:
         validate_devices(config, r.cpu_devices * r.hosts)
+
+
+def _check_tpu_slice(topology: str, version: str) -> None:
+    """Asks Ray's own TPU helpers whether the slice exists (no compilation, no cluster needed)."""
+    from ray._private.accelerators.tpu import TPUAcceleratorManager
+    from ray.util.tpu import get_tpu_version_from_type
+
+    try:
+        generation = get_tpu_version_from_type(version)
+    except ValueError as e:
+        raise ConfigError(f"run.tpu_version: {e}") from None
+    if not TPUAcceleratorManager.is_valid_tpu_accelerator_topology(
+        tpu_accelerator_version=generation, tpu_topology=topology
+    ):
+        raise ConfigError(
+            f"run.tpu_topology: '{topology}' is not a topology of TPU {version} (e.g. 2x2x1, 2x2x4 for v4)"
+        )
 
 
 def num_envs(config: Config, num_devices: int) -> int:
