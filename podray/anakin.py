@@ -17,6 +17,7 @@ from typing import Any
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -150,8 +151,9 @@ class AnakinProgram:
 
     def initial_state(self, seed: int) -> RunnerState:
         """The state before the first call, for `config.anakin.replicas` replicas of `seed`."""
-        keys = jax.random.split(jax.random.PRNGKey(seed), self.config.anakin.replicas)
-        keys = jax.device_put(keys, NamedSharding(self.mesh, P()))
+        keys = np.asarray(jax.random.split(jax.random.PRNGKey(seed), self.config.anakin.replicas))
+        # Every process builds the same keys; each places them on its own devices (multi-host safe).
+        keys = jax.make_array_from_callback(keys.shape, NamedSharding(self.mesh, P()), lambda index: keys[index])
         return self.init(keys)
 
     def abstract_state(self, seed: int) -> RunnerState:

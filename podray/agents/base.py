@@ -89,7 +89,7 @@ class Agent:
     def __init__(self, config: AgentConfig, network: NetworkConfig, spec: EnvSpec, num_updates: int):
         self.config = config
         self.spec = spec
-        self.network = ActorCritic(config=network, num_actions=spec.num_actions)
+        self.network = ActorCritic(config=network, num_actions=spec.num_actions, obs_rank=len(spec.obs_shape))
         self.num_updates = num_updates
         self.optimizer = self._make_optimizer()
 

@@ -22,15 +22,17 @@ def _dense(features: int, scale: float = np.sqrt(2)) -> nn.Dense:
 
 
 class MLPTorso(nn.Module):
-    """`depth` dense layers of `width` units on the flattened observation."""
+    """`depth` dense layers of `width` units on the observation flattened (its last `obs_rank` axes)."""
 
     depth: int
     width: int
     activation: str = "tanh"
+    obs_rank: int = 1
 
     @nn.compact
     def __call__(self, x: chex.Array) -> chex.Array:
-        x = x.reshape(x.shape[:-1] + (-1,)) if x.ndim > 1 else x
+        if self.obs_rank != 1:
+            x = x.reshape(x.shape[: x.ndim - self.obs_rank] + (-1,))
         for _ in range(self.depth):
             x = _ACTIVATIONS[self.activation](_dense(self.width)(x))
         return x
@@ -85,9 +87,9 @@ class ActorCriticOutput(NamedTuple):
     value: chex.Array  # [...]
 
 
-def make_torso(config: NetworkConfig) -> nn.Module:
+def make_torso(config: NetworkConfig, obs_rank: int = 1) -> nn.Module:
     if config.torso == "mlp":
-        return MLPTorso(depth=config.depth, width=config.width, activation=config.activation)
+        return MLPTorso(depth=config.depth, width=config.width, activation=config.activation, obs_rank=obs_rank)
     if config.torso == "nature_cnn":
         return NatureCNN(depth=config.depth, width=config.width)
     if config.torso == "impala_resnet":
@@ -99,19 +101,21 @@ class ActorCritic(nn.Module):
     """Policy logits and state value from observations [..., *obs_shape].
 
     uint8 observations (pixels) are scaled to [0, 1]. With `config.shared_torso` one torso feeds both
-    heads; otherwise policy and value each have their own.
+    heads; otherwise policy and value each have their own. `obs_rank` is the rank of one observation
+    (the MLP flattens that many trailing axes).
     """
 
     config: NetworkConfig
     num_actions: int
+    obs_rank: int = 1
 
     @nn.compact
     def __call__(self, obs: chex.Array) -> ActorCriticOutput:
         x = obs.astype(jnp.float32)
         if obs.dtype == jnp.uint8:
             x = x / 255.0
-        policy_features = make_torso(self.config)(x)
-        value_features = policy_features if self.config.shared_torso else make_torso(self.config)(x)
+        policy_features = make_torso(self.config, self.obs_rank)(x)
+        value_features = policy_features if self.config.shared_torso else make_torso(self.config, self.obs_rank)(x)
         logits = _dense(self.num_actions, scale=0.01)(policy_features)
         value = _dense(1, scale=1.0)(value_features)[..., 0]
         return ActorCriticOutput(logits=logits, value=value)

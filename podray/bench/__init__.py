@@ -1,0 +1,1 @@
+"""Throughput benchmarks (`podray bench ...`): speed is measured here, never by timed tests."""

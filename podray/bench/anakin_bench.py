@@ -1,0 +1,163 @@
+"""`podray bench anakin`: env steps/s of the fused Anakin loop, beside the raw environment ceiling.
+
+For every (environment, devices x envs per device) setting, the same run measures
+  - steps_per_s: PPO under Anakin (act + env step + learn), compile excluded, the median of >= 3 timed
+    calls of the compiled program;
+  - ceiling_steps_per_s: the jitted environment step alone with random actions, at the same batch and
+    devices, the same way (shard_map over the mesh, scan over the same number of steps).
+Fake CPU devices are created for settings with more than one device (on CPU only).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+FULL_SETTINGS = [(1, 4), (1, 64), (1, 1024), (4, 256)]
+QUICK_SETTINGS = [(1, 4), (2, 8)]
+ENVS = ["CartPole-v1", "Catch-bsuite"]
+
+
+@dataclass
+class Row:
+    env: str
+    agent: str
+    setting: str
+    devices: int
+    envs_per_device: int
+    steps_per_s: float
+    ceiling_steps_per_s: float
+    ratio: float
+    steps_per_call: int
+    timed_calls: int
+    compile_s: float
+
+
+def _time_calls(fn, state, calls: int) -> tuple[list[float], object]:
+    import jax
+
+    state = fn(state)  # warm-up (first execution after compile)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        state = fn(state)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - start)
+    return times, state
+
+
+def _ceiling(program, steps_per_device_call: int, calls: int) -> float:
+    """Env steps/s of the environment alone with random actions, same mesh and batch as `program`."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from podray.host import DEVICE_AXIS
+
+    env, n_local = program.env, program.envs_per_device
+    num_actions = env.spec.num_actions
+
+    def local(key):
+        key = jax.random.fold_in(key[0], jax.lax.axis_index(DEVICE_AXIS))
+        state, obs = env.reset(jax.random.split(key, n_local))
+
+        def step(carry, k):
+            state, total = carry
+            action_key, env_key = jax.random.split(k)
+            action = jax.random.randint(action_key, (n_local,), 0, num_actions)
+            state, ts = env.step(state, action, jax.random.split(env_key, n_local))
+            return (state, total + ts.reward.sum()), None
+
+        (state, total), _ = jax.lax.scan(step, (state, 0.0), jax.random.split(key, steps_per_device_call))
+        return jax.lax.psum(total, DEVICE_AXIS)[None]
+
+    fn = jax.jit(jax.shard_map(local, mesh=program.mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    keys = jnp.zeros((1, 2), jnp.uint32)
+    jax.block_until_ready(fn(keys))
+    times = []
+    for i in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(keys + i))
+        times.append(time.perf_counter() - start)
+    return steps_per_device_call * n_local * program.num_devices / statistics.median(times)
+
+
+def measure(env_name: str, devices: int, envs_per_device: int, calls: int = 3, target_steps: int = 131072) -> Row:
+    import jax
+
+    from podray import config as config_lib
+    from podray.anakin import AnakinProgram
+    from podray.host import local_context
+
+    num_envs = devices * envs_per_device
+    steps_per_update = num_envs * 128
+    updates_per_call = max(1, math.ceil(target_steps / steps_per_update))
+    config = config_lib.load(
+        "anakin_cartpole",
+        [
+            f"env.name={env_name}",
+            f"env.num_envs={num_envs}",
+            f"anakin.updates_per_call={updates_per_call}",
+            f"total_env_steps={steps_per_update * updates_per_call * (calls + 2)}",
+        ],
+    )
+    host = local_context(list(range(devices)))
+    program = AnakinProgram(config, host.mesh())
+    state = program.initial_state(config.seed)
+    start = time.perf_counter()
+    step = program.step.lower(state).compile()
+    compile_s = time.perf_counter() - start
+    times, _ = _time_calls(lambda s: step(s)[0], state, calls)
+    steps_per_call = steps_per_update * updates_per_call
+    steps_per_s = steps_per_call / statistics.median(times)
+    ceiling = _ceiling(program, 128 * updates_per_call, calls)
+    del jax
+    return Row(
+        env=env_name,
+        agent="ppo",
+        setting=f"{devices}x{envs_per_device}",
+        devices=devices,
+        envs_per_device=envs_per_device,
+        steps_per_s=steps_per_s,
+        ceiling_steps_per_s=ceiling,
+        ratio=steps_per_s / ceiling,
+        steps_per_call=steps_per_call,
+        timed_calls=calls,
+        compile_s=compile_s,
+    )
+
+
+def main(out: str | None = None, quick: bool = False) -> list[Row]:
+    settings = QUICK_SETTINGS if quick else FULL_SETTINGS
+    from podray.host import configure_cpu_devices
+
+    configure_cpu_devices(max(d for d, _ in settings))  # only affects the CPU backend
+    import jax
+
+    available = len(jax.local_devices())
+    rows = []
+    envs = ENVS[:1] if quick else ENVS
+    header = f"{'env':<14}{'setting':>9}{'steps/s':>14}{'ceiling':>14}{'ratio':>8}{'compile s':>11}"
+    print(f"backend {jax.default_backend()}, {available} local devices; PPO 128-step rollouts, 4x4 minibatches")
+    print(header)
+    for env_name in envs:
+        for devices, per_device in settings:
+            if devices > available:
+                print(f"{env_name:<14}{devices}x{per_device:>6}   skipped: only {available} devices")
+                continue
+            row = measure(env_name, devices, per_device, target_steps=8192 if quick else 131072)
+            rows.append(row)
+            print(
+                f"{row.env:<14}{row.setting:>9}{row.steps_per_s:>14,.0f}{row.ceiling_steps_per_s:>14,.0f}"
+                f"{row.ratio:>8.2f}{row.compile_s:>11.1f}",
+                flush=True,
+            )
+    if out:
+        with open(out, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=2)
+        print(f"wrote {out}")
+    return rows
