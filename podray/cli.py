@@ -2,7 +2,7 @@
 
   podray train [PRESET_OR_YAML] [--set section.field=value ...] [--run-dir DIR] [--resume RUN_DIR]
                [--address RAY_ADDRESS] [--dashboard] [--ray]
-  podray bench anakin [--out FILE] [--quick]
+  podray bench anakin|ray [--out FILE] [--quick]
 
 Bad input (preset, YAML, --set, environment name, device split) is reported as one line naming the
 field and the fix, with exit status 2, before anything compiles.
@@ -27,7 +27,7 @@ def _train(args: argparse.Namespace) -> int:
         config = load_run_config(args.resume)
         run_dir = args.resume
     else:
-        config = config_lib.load(args.preset, args.set)
+        config = config_lib.load(args.preset, args.set, check=False)
         run_dir = args.run_dir
     r = config.run
     use_ray = (
@@ -39,6 +39,11 @@ def _train(args: argparse.Namespace) -> int:
         or r.seeds
         or r.tpu_topology
     )
+    if use_ray:
+        from podray.cluster.driver import pin_driver_jax_to_cpu
+
+        pin_driver_jax_to_cpu()
+    config_lib.validate(config)
     if not use_ray:
         # The fast path of a single host without a cluster: the same train() a host worker calls, in
         # this process, without the ~7 s of starting and stopping a local Ray (docs/operations.md).
@@ -93,6 +98,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         anakin_bench.main(out=args.out, quick=args.quick)
         return 0
+    if args.target == "ray":
+        from podray.bench import ray_bench
+
+        ray_bench.main(out=args.out, quick=args.quick)
+        return 0
     raise config_lib.ConfigError(f"bench: unknown target '{args.target}'; choose anakin")
 
 
@@ -131,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(func=_train)
     b = sub.add_parser("bench", help="throughput benchmarks")
-    b.add_argument("target", choices=["anakin"], help="what to benchmark")
+    b.add_argument("target", choices=["anakin", "ray"], help="what to benchmark")
     b.add_argument("--out", default=None, help="write the rows as JSON to this file")
     b.add_argument("--quick", action="store_true", help="a shorter sweep (for smoke tests)")
     b.set_defaults(func=_bench)

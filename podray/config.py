@@ -305,13 +305,15 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load(preset: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Builds and validates a Config from a preset name or YAML path plus `--set` overrides."""
+def load(preset: str | None = None, overrides: typing.Sequence[str] = (), check: bool = True) -> Config:
+    """Builds and validates (unless `check` is False) a Config from a preset name or YAML path plus
+    `--set` overrides."""
     data = load_yaml(preset) if preset else load_yaml("anakin_cartpole")
     for text in overrides:
         data = _merge(data, parse_override(text))
     config = from_dict(data)
-    validate(config)
+    if check:
+        validate(config)
     return config
 
 
@@ -389,6 +391,10 @@ def validate(config: Config) -> None:
     if any(i < 0 for i in r.devices) or len(set(r.devices)) != len(r.devices):
         raise ConfigError(f"run.devices: indices must be distinct and >= 0, got {r.devices}")
     if config.architecture == "anakin":
+        # gymnax builds arrays when imported, which starts JAX: fake the CPU devices first.
+        from podray.host import configure_cpu_devices_if_not_started
+
+        configure_cpu_devices_if_not_started(r.cpu_devices)
         from podray.envs import jax_envs
 
         jax_envs.check_name(config.env.name)  # raises ConfigError

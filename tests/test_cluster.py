@@ -118,40 +118,41 @@ def test_killed_host_worker_is_restored_from_checkpoint(ray_cluster, tmp_path):
     assert [r["updates"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [upc * (i + 1) for i in range(6)]
 
 
-def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        return response.read().decode()
-
-
-def test_run_metrics_reach_ray_metrics_export(ray_cluster, tmp_path):
+def test_replicas_report_separately_through_ray_metrics_export(ray_cluster, tmp_path):
+    """Two seeds run as two independent groups; each has its own run directory, and each one's custom
+    metric (podray_episode_return, tagged replica=SEED) is scraped from Ray's Prometheus export."""
     name = f"metrics_{uuid.uuid4().hex[:8]}"
-    config = _config(**{"name": name, "total_env_steps": 8 * 128 * 50 * 6, "run.checkpoint_every": 0})
+    config = _config(**{"name": name, "total_env_steps": 4 * 128 * 50 * 6, "run.seeds": "[3,4]"})
     port = ray_cluster.head_node.metrics_export_port
-    seen: list[str] = []
+    seen: dict[str, str] = {}
     stop = threading.Event()
 
-    def poll(_group):
-        def loop():
-            while not stop.is_set() and not seen:
-                try:
-                    text = _scrape(port)
-                except OSError:
-                    text = ""
-                lines = [ln for ln in text.splitlines() if "podray_episode_return" in ln and name in ln]
-                seen.extend(lines)
-                time.sleep(0.3)
-
-        threading.Thread(target=loop, daemon=True).start()
-
-    try:
-        train_on_ray(config, run_dir=tmp_path, on_group=poll)
-        deadline = time.time() + 15
-        while not seen and time.time() < deadline:
+    def scrape_loop():
+        while not stop.is_set() and len(seen) < 2:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                    text = response.read().decode()
+            except OSError:
+                text = ""
+            for line in text.splitlines():
+                if line.startswith("ray_podray_episode_return{") and f'run="{name}"' in line:
+                    for seed in ("3", "4"):
+                        if f'replica="{seed}"' in line:
+                            seen[seed] = line
             time.sleep(0.3)
+
+    poller = threading.Thread(target=scrape_loop, daemon=True)
+    poller.start()
+    try:
+        results = train_on_ray(config, run_dir=tmp_path)
+        poller.join(timeout=15)
     finally:
         stop.set()
-    assert seen, f"no podray_episode_return{{run={name}}} on http://127.0.0.1:{port}/metrics"
-    assert 'host="0"' in seen[0]
+    assert sorted(seen) == ["3", "4"], f"custom metric not exported on http://127.0.0.1:{port}/metrics: {seen}"
+    assert all('host="0"' in line for line in seen.values())
+    assert [pathlib.Path(r["run_dir"]).name for r in results] == ["seed-3", "seed-4"]
+    returns = [[row["mean_return"] for row in read_jsonl(tmp_path / f"seed-{s}" / "metrics.jsonl")] for s in (3, 4)]
+    assert returns[0] != returns[1]  # independent seeds
 
 
 def _processes_with(tag: str) -> list[int]:

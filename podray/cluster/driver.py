@@ -38,6 +38,17 @@ class HostLost(Exception):
 # Connecting
 
 
+def pin_driver_jax_to_cpu() -> None:
+    """Keeps the driver's JAX (which validating a config starts: gymnax builds arrays on import) on
+    the CPU, so that it never opens a TPU or GPU the host workers need. Workers are not affected: this
+    is a setting of this process, not of the environment they inherit."""
+    import jax
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+
+
 @dataclass
 class RayConnection:
     """Where the driver is connected, and whether it started that Ray itself (then it stops it)."""
@@ -342,6 +353,7 @@ def train_on_ray(
     """
     from podray.training import default_run_dir
 
+    pin_driver_jax_to_cpu()
     config_lib.validate(config)
     base = pathlib.Path(run_dir or config.run.run_dir or default_run_dir(config)).resolve()
     seeds = config.run.seeds

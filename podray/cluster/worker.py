@@ -104,6 +104,7 @@ class HostWorker:
         out["global_devices"] = len(host.devices)
         if return_params:
             # The parameters are replicated: every host holds a full copy on each of its devices.
-            params = summary.final_state.train.params
+            state = summary.final_state
+            params = getattr(getattr(state, "train", state), "params", state)
             out["params"] = [np.asarray(leaf.addressable_shards[0].data) for leaf in jax.tree.leaves(params)]
         return out
