@@ -86,11 +86,12 @@ def connect(address: str | None = None, dashboard: bool = False, num_cpus: int |
 
 
 def _dashboard_url(ray) -> str | None:
+    """The dashboard URL of the cluster we joined (None when it runs none)."""
     try:
-        url = ray.get_runtime_context().dashboard_url if hasattr(ray.get_runtime_context(), "dashboard_url") else None
+        url = ray._private.worker.get_dashboard_url()
     except Exception:
-        url = None
-    return url
+        return None
+    return f"http://{url}" if url and not url.startswith("http") else (url or None)
 
 
 # --------------------------------------------------------------------------------------------------
