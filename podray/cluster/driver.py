@@ -73,6 +73,11 @@ def connect(address: str | None = None, dashboard: bool = False, num_cpus: int |
     if address:
         ray.init(address=address, logging_level="WARNING")
         return RayConnection(False, _dashboard_url(ray))
+    # Ray starts its processes with fork+exec, which JAX's fork warning (the driver's CPU JAX is up
+    # after validation) does not concern.
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
     # address="local": always a new Ray of our own, never one that another user started on this machine.
     context = ray.init(
         address="local",
@@ -281,6 +286,8 @@ def _run_group(
     say: Callable[[str], None],
 ) -> list[dict]:
     """Runs `config` to its end on a group of host workers, restarting after a lost host."""
+    from ray.exceptions import RayActorError
+
     restarts = 0
     _log_event(run_dir, {"event": "start", "resume": resume, "hosts": config.run.hosts, **tags})
     while True:
@@ -292,7 +299,8 @@ def _run_group(
             results = group.train(config, str(run_dir), resume, tags, return_params)
             _log_event(run_dir, {"event": "finish", "restarts": restarts, "env_steps": results[0]["env_steps"]})
             return results
-        except HostLost as lost:
+        except (HostLost, RayActorError) as lost:  # also a host lost while joining the program
+            reason = str(lost).splitlines()[0]
             group.stop()
             group = None
             checkpoint = _latest_checkpoint(run_dir)
@@ -302,22 +310,24 @@ def _run_group(
             event = {
                 "event": "restart" if restarts < config.run.max_restarts else "failed",
                 "restart": restarts + 1,
-                "error": str(lost),
+                "error": reason,
                 "reached_updates": reached,
                 "resumed_from_updates": resumed_from,
                 "lost_updates": max(0, reached - resumed_from),
                 "reached_env_steps": int(last.get("env_steps", 0)),
             }
+            per_update = event["reached_env_steps"] / reached if reached else 0
+            event["lost_env_steps"] = int(event["lost_updates"] * per_update)
             _log_event(run_dir, event)
             if restarts >= config.run.max_restarts:
                 raise ClusterError(
-                    f"a host worker died ({lost}) and run.max_restarts={config.run.max_restarts} restarts "
+                    f"a host worker died ({reason}) and run.max_restarts={config.run.max_restarts} restarts "
                     f"are spent; the checkpoints are intact in {run_dir / 'checkpoints'} (latest: update "
                     f"{checkpoint}); continue with: podray train --resume {run_dir}"
                 ) from lost
             restarts += 1
             say(
-                f"podray: host worker lost ({lost}); restart {restarts}/{config.run.max_restarts} from "
+                f"podray: host worker lost ({reason}); restart {restarts}/{config.run.max_restarts} from "
                 f"update {resumed_from} (lost {event['lost_updates']} updates since the last checkpoint)"
             )
             resume = True
