@@ -18,7 +18,7 @@ import pytest
 from conftest import FAKE_TPU_SLICE
 
 from podray import config as config_lib
-from podray.cluster import HostGroup, train_on_ray
+from podray.cluster import ClusterError, HostGroup, train_on_ray
 from podray.host import HostContext
 from podray.metrics import read_jsonl
 from podray.training import train
@@ -114,8 +114,39 @@ def test_killed_host_worker_is_restored_from_checkpoint(ray_cluster, tmp_path):
     assert len(restarts) == 1 and log[-1]["event"] == "finish"
     assert restarts[0]["resumed_from_updates"] >= 2 * upc
     assert restarts[0]["lost_updates"] <= config.run.checkpoint_every  # at most one checkpoint interval
+    assert restarts[0]["lost_env_steps"] <= config.run.checkpoint_every * 8 * 16
     # The step count is continuous: one row per call, no gap, no repeat.
     assert [r["updates"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [upc * (i + 1) for i in range(6)]
+
+
+def test_run_out_of_restarts_ends_with_clear_error_and_checkpoints_intact(ray_cluster, tmp_path):
+    upc = 4
+    config = _config(
+        **{
+            "env.num_envs": 8,
+            "anakin.rollout_length": 16,
+            "anakin.updates_per_call": upc,
+            "total_env_steps": 8 * 16 * upc * 50,
+            "run.checkpoint_every": upc,
+            "run.hosts": 1,  # the same path as for many hosts, at a fraction of the start-up
+            "run.cpu_devices": 1,
+            "run.max_restarts": 0,
+        }
+    )
+
+    def kill_host_0_after_a_checkpoint(group):
+        def kill():
+            while not any(p.name.isdigit() for p in (tmp_path / "checkpoints").glob("*")):
+                time.sleep(0.05)
+            os.kill(group.nodes[0]["pid"], signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+
+    with pytest.raises(ClusterError, match=r"run.max_restarts=0 .* intact .* podray train --resume"):
+        train_on_ray(config, run_dir=tmp_path, on_group=kill_host_0_after_a_checkpoint)
+    assert read_jsonl(tmp_path / "run_log.jsonl")[-1]["event"] == "failed"
+    steps = [int(p.name) for p in (tmp_path / "checkpoints").glob("*") if p.name.isdigit()]
+    assert steps and all(s % upc == 0 for s in steps)
 
 
 def test_replicas_report_separately_through_ray_metrics_export(ray_cluster, tmp_path):
