@@ -1,7 +1,8 @@
 """The `podray` command: train, bench.
 
   podray train [PRESET_OR_YAML] [--set section.field=value ...] [--run-dir DIR] [--resume RUN_DIR]
-  podray bench anakin [--out FILE] [--quick]
+               [--address RAY_ADDRESS] [--dashboard] [--ray]
+  podray bench anakin|ray [--out FILE] [--quick]
 
 Bad input (preset, YAML, --set, environment name, device split) is reported as one line naming the
 field and the fix, with exit status 2, before anything compiles.
@@ -10,7 +11,7 @@ field and the fix, with exit status 2, before anything compiles.
 from __future__ import annotations
 
 import argparse
-import math
+import os
 import sys
 import time
 
@@ -26,20 +27,69 @@ def _train(args: argparse.Namespace) -> int:
         config = load_run_config(args.resume)
         run_dir = args.resume
     else:
-        config = config_lib.load(args.preset, args.set)
+        config = config_lib.load(args.preset, args.set, check=False)
         run_dir = args.run_dir
-    # JAX starts only now, after the whole config has been checked.
-    from podray.training import train
-
-    summary = train(config, run_dir=run_dir, resume=bool(args.resume))
-    ret = summary.final_mean_return
-    print(
-        f"done: final mean return {ret if not math.isnan(ret) else float('nan'):.2f} | "
-        f"env steps {summary.env_steps:,d} | wall {summary.wall_s:.1f} s "
-        f"(compile {summary.compile_s:.1f} s) | {summary.steps_per_s:,.0f} steps/s "
-        f"({summary.steady_steps_per_s:,.0f} steady) | run dir {summary.run_dir}"
+    r = config.run
+    use_ray = (
+        args.ray
+        or args.address
+        or os.environ.get("RAY_ADDRESS")
+        or args.dashboard
+        or r.hosts > 1
+        or r.seeds
+        or r.tpu_topology
     )
+    if use_ray:
+        from podray.cluster.driver import pin_driver_jax_to_cpu
+
+        pin_driver_jax_to_cpu()
+    config_lib.validate(config)
+    if not use_ray:
+        # The fast path of a single host without a cluster: the same train() a host worker calls, in
+        # this process, without the ~7 s of starting and stopping a local Ray (docs/operations.md).
+        # JAX starts only now, after the whole config has been checked.
+        from podray.training import train
+
+        _print_summary(train(config, run_dir=run_dir, resume=bool(args.resume)).to_dict())
+        return 0
+    # The Ray layer: host workers start JAX; this process never does.
+    from podray.cluster import train_on_ray
+
+    results = train_on_ray(
+        config,
+        run_dir=run_dir,
+        resume=bool(args.resume),
+        address=args.address,
+        dashboard=args.dashboard,
+        keep_dashboard=_wait_for_interrupt if args.dashboard else None,
+    )
+    for result in results:
+        _print_summary(result)
     return 0
+
+
+def _print_summary(summary: dict) -> None:
+    ret = summary["final_mean_return"]
+    ret = float("nan") if ret is None else ret
+    print(
+        f"done: final mean return {ret:.2f} | "
+        f"env steps {summary['env_steps']:,d} | wall {summary['wall_s']:.1f} s "
+        f"(compile {summary['compile_s']:.1f} s) | {summary['steps_per_s']:,.0f} steps/s "
+        f"({summary['steady_steps_per_s']:,.0f} steady) | run dir {summary['run_dir']}",
+        flush=True,
+    )
+
+
+def _wait_for_interrupt(url: str) -> None:
+    """Keeps a local Ray (and its dashboard) up after the run until Ctrl-C, on an interactive terminal."""
+    if not sys.stdin.isatty():
+        return
+    print(f"the run is done; the dashboard stays up at {url}; press Ctrl-C to stop Ray", flush=True)
+    try:
+        while True:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -47,6 +97,11 @@ def _bench(args: argparse.Namespace) -> int:
         from podray.bench import anakin_bench
 
         anakin_bench.main(out=args.out, quick=args.quick)
+        return 0
+    if args.target == "ray":
+        from podray.bench import ray_bench
+
+        ray_bench.main(out=args.out, quick=args.quick)
         return 0
     raise config_lib.ConfigError(f"bench: unknown target '{args.target}'; choose anakin")
 
@@ -67,9 +122,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--run-dir", default=None, help="run directory (default runs/<name>-<time>)")
     t.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    t.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to run on ('auto' on a cluster node, host:6379, ray://host:10001); default "
+        "$RAY_ADDRESS, else an embedded local Ray started and stopped by this command",
+    )
+    t.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="start the Ray dashboard (127.0.0.1) with the local Ray, print its URL, keep it up after the run",
+    )
+    t.add_argument(
+        "--ray",
+        action="store_true",
+        help="run a single host through Ray too (an embedded local Ray unless --address); without it, a "
+        "single-host run with no cluster runs in this process",
+    )
     t.set_defaults(func=_train)
     b = sub.add_parser("bench", help="throughput benchmarks")
-    b.add_argument("target", choices=["anakin"], help="what to benchmark")
+    b.add_argument("target", choices=["anakin", "ray"], help="what to benchmark")
     b.add_argument("--out", default=None, help="write the rows as JSON to this file")
     b.add_argument("--quick", action="store_true", help="a shorter sweep (for smoke tests)")
     b.set_defaults(func=_bench)
@@ -84,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     except config_lib.ConfigError as e:
         print(f"podray: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from podray.cluster.driver import ClusterError
+
+        if not isinstance(e, ClusterError):
+            raise
+        print(f"podray: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("podray: interrupted; the latest checkpoint is kept (resume with --resume RUN_DIR)", file=sys.stderr)
         return 130

@@ -114,6 +114,19 @@ class RunConfig:
     """Also write TensorBoard event files to the run directory."""
     progress: bool = True
     """Print a live progress line to the console."""
+    hosts: int = 1
+    """Host workers (Ray actors, one JAX process each) forming one multi-host program; on CPU each
+    fakes run.cpu_devices devices. Ignored on TPU slices, where the slice decides (run.tpu_topology)."""
+    max_restarts: int = 2
+    """Ray layer: how many times a group whose host worker died is restarted from the latest checkpoint."""
+    seeds: list[int] = field(default_factory=list)
+    """Ray layer: independent replicas of the run, one per seed, each with its own run directory
+    (run_dir/seed-N) and metrics; empty means one run with `seed`."""
+    tpu_topology: str = ""
+    """Ray layer: reserve a TPU slice of this topology (e.g. 2x2x1 for v4-8, 2x2x4 for v4-32) through
+    ray.util.tpu and place one host worker per TPU host; empty means CPU/GPU host workers."""
+    tpu_version: str = ""
+    """TPU generation of run.tpu_topology (e.g. v4, v5e, v5p, v6e)."""
 
 
 @dataclass
@@ -292,13 +305,15 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load(preset: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Builds and validates a Config from a preset name or YAML path plus `--set` overrides."""
+def load(preset: str | None = None, overrides: typing.Sequence[str] = (), check: bool = True) -> Config:
+    """Builds and validates (unless `check` is False) a Config from a preset name or YAML path plus
+    `--set` overrides."""
     data = load_yaml(preset) if preset else load_yaml("anakin_cartpole")
     for text in overrides:
         data = _merge(data, parse_override(text))
     config = from_dict(data)
-    validate(config)
+    if check:
+        validate(config)
     return config
 
 
@@ -359,9 +374,27 @@ def validate(config: Config) -> None:
     _positive("run.keep_checkpoints", r.keep_checkpoints)
     if r.cpu_devices < 0:
         raise ConfigError(f"run.cpu_devices: must be >= 0, got {r.cpu_devices}")
+    _positive("run.hosts", r.hosts)
+    if r.max_restarts < 0:
+        raise ConfigError(f"run.max_restarts: must be >= 0 (0 means fail on the first lost host), got {r.max_restarts}")
+    if len(set(r.seeds)) != len(r.seeds):
+        raise ConfigError(f"run.seeds: seeds must be distinct, got {r.seeds}")
+    if bool(r.tpu_topology) != bool(r.tpu_version):
+        raise ConfigError(
+            "run.tpu_topology and run.tpu_version go together (e.g. run.tpu_topology=2x2x4 "
+            f"run.tpu_version=v4); got topology '{r.tpu_topology}', version '{r.tpu_version}'"
+        )
+    if r.tpu_topology:
+        _check_tpu_slice(r.tpu_topology, r.tpu_version)
+    if r.tpu_topology and r.hosts != 1:
+        raise ConfigError("run.hosts: leave it at 1 with run.tpu_topology; the TPU slice sets the number of hosts")
     if any(i < 0 for i in r.devices) or len(set(r.devices)) != len(r.devices):
         raise ConfigError(f"run.devices: indices must be distinct and >= 0, got {r.devices}")
     if config.architecture == "anakin":
+        # gymnax builds arrays when imported, which starts JAX: fake the CPU devices first.
+        from podray.host import configure_cpu_devices_if_not_started
+
+        configure_cpu_devices_if_not_started(r.cpu_devices)
         from podray.envs import jax_envs
 
         jax_envs.check_name(config.env.name)  # raises ConfigError
@@ -375,7 +408,24 @@ def validate(config: Config) -> None:
     if r.devices:
         validate_devices(config, len(r.devices))
     elif r.cpu_devices:
-        validate_devices(config, r.cpu_devices)
+        validate_devices(config, r.cpu_devices * r.hosts)
+
+
+def _check_tpu_slice(topology: str, version: str) -> None:
+    """Asks Ray's own TPU helpers whether the slice exists (no compilation, no cluster needed)."""
+    from ray._private.accelerators.tpu import TPUAcceleratorManager
+    from ray.util.tpu import get_tpu_version_from_type
+
+    try:
+        generation = get_tpu_version_from_type(version)
+    except ValueError as e:
+        raise ConfigError(f"run.tpu_version: {e}") from None
+    if not TPUAcceleratorManager.is_valid_tpu_accelerator_topology(
+        tpu_accelerator_version=generation, tpu_topology=topology
+    ):
+        raise ConfigError(
+            f"run.tpu_topology: '{topology}' is not a topology of TPU {version} (e.g. 2x2x1, 2x2x4 for v4)"
+        )
 
 
 def num_envs(config: Config, num_devices: int) -> int:

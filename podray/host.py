@@ -79,3 +79,11 @@ def configure_cpu_devices(count: int) -> None:
     """Fakes `count` CPU devices; must run before JAX initialises its backends."""
     if count > 0:
         jax.config.update("jax_num_cpu_devices", count)
+
+
+def configure_cpu_devices_if_not_started(count: int) -> None:
+    """configure_cpu_devices, unless JAX has already started (then the count stays as it is)."""
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        configure_cpu_devices(count)

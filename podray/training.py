@@ -47,6 +47,7 @@ def train(
     resume: bool = False,
     host=None,
     extra_sinks: Sequence[Sink] = (),
+    host_sinks: Sequence[Sink] = (),
 ):
     """Trains with `config`, writing to `run_dir`; returns the architecture's Summary.
 
@@ -55,7 +56,8 @@ def train(
       run_dir: the run directory; None takes config.run.run_dir or runs/<name>-<time>.
       resume: continue from the latest checkpoint in run_dir.
       host: a podray.host.HostContext; None means this process and config.run.devices.
-      extra_sinks: more metric sinks (Ray's dashboard, Ray Tune), fed on process 0.
+      extra_sinks: more metric sinks (Ray Tune), fed on process 0 only.
+      host_sinks: sinks fed on every process (each tags its own host: Ray's dashboard metrics).
     """
     config_lib.validate(config)
     from podray import host as host_lib
@@ -73,14 +75,16 @@ def train(
     sinks: list[Sink] = []
     if host.is_leader:
         (run_dir / "config.yaml").write_text(config_lib.dump_yaml(config))
-        if resume and checkpointer.latest_step() is not None:
-            truncate_jsonl(run_dir / "metrics.jsonl", checkpointer.latest_step())
+        if resume:
+            # Rows past the checkpoint are replayed; with no checkpoint yet the run starts over.
+            truncate_jsonl(run_dir / "metrics.jsonl", checkpointer.latest_step() or 0)
         sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
         if config.run.tensorboard:
             sinks.append(TensorBoardSink(run_dir / "tensorboard"))
         if config.run.progress:
             sinks.append(ConsoleProgress(config.total_env_steps * config.anakin.replicas))
         sinks.extend(extra_sinks)
+    sinks.extend(host_sinks)
     fanout = Sinks(sinks)
     try:
         from podray.program import program_module

@@ -22,3 +22,54 @@ def compile_counter():
     jax.monitoring.register_event_duration_secs_listener(listener)
     yield events
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+# Fake TPU hosts of one v4 slice (topology 2x2x2: 8 chips, 4 per host, 2 hosts) for placement tests.
+FAKE_TPU_SLICE = {"name": "fake-v4-16", "pod_type": "v4-16", "topology": "2x2x2", "version": "v4", "hosts": 2}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole session (ray.init takes ~5 s here): a head node with CPUs
+    for fake CPU hosts, plus the hosts of a fake TPU slice (TPU resources, ray.io/tpu-* labels and
+    the TPU_* environment Ray reads on a TPU VM). Yields the ray.cluster_utils.Cluster."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    s = FAKE_TPU_SLICE
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 4,
+            "include_dashboard": False,
+            "_system_config": {"metrics_report_interval_ms": 500},
+        },
+    )
+    saved = {k: os.environ.get(k) for k in ("TPU_NAME", "TPU_WORKER_ID", "TPU_ACCELERATOR_TYPE")}
+    try:
+        for worker_id in range(s["hosts"]):
+            os.environ.update(TPU_NAME=s["name"], TPU_WORKER_ID=str(worker_id), TPU_ACCELERATOR_TYPE=s["pod_type"])
+            resources = {"TPU": 4}
+            if worker_id == 0:
+                resources[f"TPU-{s['pod_type']}-head"] = 1
+            cluster.add_node(
+                num_cpus=1,  # a TPU VM's slice bundle also asks for one CPU
+                resources=resources,
+                labels={
+                    "ray.io/tpu-slice-name": s["name"],
+                    "ray.io/tpu-worker-id": str(worker_id),
+                    "ray.io/tpu-pod-type": s["pod_type"],
+                    "ray.io/tpu-topology": s["topology"],
+                    "ray.io/accelerator-type": "TPU-V4",
+                },
+            )
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    ray.init(address=cluster.address, logging_level="WARNING")
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

@@ -1,0 +1,410 @@
+"""The Ray driver: connects to (or starts) Ray, places one host worker per host, restarts after failures.
+
+    train_on_ray(config)  ->  summary dict of host 0
+
+The driver never imports a JAX backend: workers do (podray.cluster.worker). A run is a *group* of
+host workers that together form one JAX program. On CPU the group is `run.hosts` actors in a placement
+group (fake hosts on one machine, or CPU nodes of a cluster); on a TPU slice it is one actor per TPU
+host of a slice reserved with ray.util.tpu.slice_placement_group. When a host worker dies the driver
+stops the whole group (a JAX program cannot lose a process), starts a new one and resumes from the
+latest checkpoint, up to run.max_restarts times, writing each restart to the run log
+(run_dir/run_log.jsonl).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pathlib
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from podray import config as config_lib
+
+
+class ClusterError(RuntimeError):
+    """A run the Ray layer could not finish (its checkpoints are kept; the message says where)."""
+
+
+class HostLost(Exception):
+    """A host worker of the group died (preemption, OOM, killed)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Connecting
+
+
+def pin_driver_jax_to_cpu() -> None:
+    """Keeps the driver's JAX (which validating a config starts: gymnax builds arrays on import) on
+    the CPU, so that it never opens a TPU or GPU the host workers need. Workers are not affected: this
+    is a setting of this process, not of the environment they inherit."""
+    import jax
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+
+
+@dataclass
+class RayConnection:
+    """Where the driver is connected, and whether it started that Ray itself (then it stops it)."""
+
+    started_here: bool
+    dashboard_url: str | None
+
+
+def connect(address: str | None = None, dashboard: bool = False, num_cpus: int | None = None) -> RayConnection:
+    """Connects to the Ray cluster at `address` (or $RAY_ADDRESS), else starts an embedded local Ray.
+
+    Args:
+      address: a Ray address ("auto", "ray://host:10001", "host:6379"); None reads RAY_ADDRESS.
+      dashboard: start the dashboard (bound to 127.0.0.1) when starting a local Ray.
+      num_cpus: logical CPUs of a local Ray (enough for every fake host worker).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return RayConnection(False, _dashboard_url(ray))
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, logging_level="WARNING")
+        return RayConnection(False, _dashboard_url(ray))
+    # Ray starts its processes with fork+exec, which JAX's fork warning (the driver's CPU JAX is up
+    # after validation) does not concern.
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+    # address="local": always a new Ray of our own, never one that another user started on this machine.
+    context = ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=dashboard,
+        dashboard_host="127.0.0.1",
+        logging_level="WARNING",
+    )
+    url = context.dashboard_url if dashboard else None
+    return RayConnection(True, f"http://{url}" if url and not url.startswith("http") else url)
+
+
+def _dashboard_url(ray) -> str | None:
+    """The dashboard URL of the cluster we joined (None when it runs none)."""
+    try:
+        url = ray._private.worker.get_dashboard_url()
+    except Exception:
+        return None
+    return f"http://{url}" if url and not url.startswith("http") else (url or None)
+
+
+# --------------------------------------------------------------------------------------------------
+# A group of host workers
+
+
+def _remote_worker():
+    import ray
+
+    from podray.cluster.worker import HostWorker
+
+    # max_restarts=0: the driver restarts whole groups, never one host alone.
+    return ray.remote(max_restarts=0)(HostWorker)
+
+
+@dataclass
+class HostGroup:
+    """The host workers of one attempt of a run, ordered by JAX process index."""
+
+    workers: list
+    nodes: list[dict]
+    placement: Any = None
+    tpu_slice: Any = None
+    devices: dict = field(default_factory=dict)
+
+    @classmethod
+    def place(cls, config: config_lib.Config, timeout_s: float = 120.0) -> "HostGroup":
+        """Places one host worker per host (without starting JAX in them)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        Worker = _remote_worker()
+        r = config.run
+        if r.tpu_topology:
+            from ray.util.tpu import slice_placement_group
+
+            # Ray reserves the slice through its TPU-<pod>-head resource and gang-schedules one
+            # bundle per TPU host of that slice (the ray.io/tpu-slice-name label).
+            tpu_slice = slice_placement_group(topology=r.tpu_topology, accelerator_version=r.tpu_version)
+            pg = tpu_slice.placement_group
+            _wait_placement(pg, timeout_s, f"a TPU slice {r.tpu_version} {r.tpu_topology}")
+            n, resources = tpu_slice.num_hosts, tpu_slice.bundle_resources
+            workers = [
+                Worker.options(
+                    num_cpus=0,
+                    resources={k: v for k, v in resources.items() if k != "CPU"},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                ).remote(i, n, 0)
+                for i in range(n)
+            ]
+            nodes = ray.get([w.node_info.remote() for w in workers])
+            # JAX process i is TPU worker i, so that the global mesh follows the slice's topology.
+            order = sorted(range(n), key=lambda i: int(nodes[i]["tpu_worker_id"] or i))
+            if order != list(range(n)):
+                for w in workers:
+                    ray.kill(w)
+                workers = [
+                    Worker.options(
+                        num_cpus=0,
+                        resources={k: v for k, v in resources.items() if k != "CPU"},
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=order[i]),
+                    ).remote(i, n, 0)
+                    for i in range(n)
+                ]
+                nodes = ray.get([w.node_info.remote() for w in workers])
+            return cls(workers, nodes, placement=pg, tpu_slice=tpu_slice)
+        n = r.hosts
+        if n == 1:
+            # One host: no placement group to wait for (the single-host default stays fast).
+            workers = [Worker.options(num_cpus=1).remote(0, 1, r.cpu_devices)]
+            return cls(workers, ray.get([workers[0].node_info.remote()]))
+        from ray.util.placement_group import placement_group
+
+        # PACK: fake hosts share one machine; on a CPU cluster Ray still spills onto more nodes.
+        pg = placement_group([{"CPU": 1}] * n, strategy="PACK")
+        _wait_placement(pg, timeout_s, f"{n} host workers of 1 CPU each")
+        workers = [
+            Worker.options(
+                num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+            ).remote(i, n, r.cpu_devices)
+            for i in range(n)
+        ]
+        return cls(workers, ray.get([w.node_info.remote() for w in workers]), placement=pg)
+
+    def initialize(self) -> dict:
+        """Starts JAX in every worker and joins them into one program (coordinator on host 0)."""
+        import ray
+
+        coordinator = None
+        if len(self.workers) > 1:
+            # Loopback when every host is on one node (fake CPU hosts); the node IP otherwise.
+            loopback = len({n["node_id"] for n in self.nodes}) == 1
+            coordinator = ray.get(self.workers[0].coordinator_address.remote(loopback))
+        counts = ray.get([w.initialize.remote(coordinator) for w in self.workers])
+        self.devices = counts[0]
+        return self.devices
+
+    def train(self, config: config_lib.Config, run_dir: str, resume: bool, tags: dict, return_params=False) -> list:
+        """Runs train() on every host; returns their results, or raises HostLost / the host's error."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        config_dict = config.to_dict()
+        refs = [w.train.remote(config_dict, run_dir, resume, tags, return_params) for w in self.workers]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except Exception as error:
+                # The other hosts fail soon after (their collectives lose a peer): look a few seconds
+                # for a dead actor, which says "host lost" rather than "bug in the program".
+                errors = [error]
+                ready, _ = ray.wait(pending, num_returns=len(pending), timeout=5.0) if pending else ([], [])
+                for ref in ready:
+                    try:
+                        ray.get(ref)
+                    except Exception as other:
+                        errors.append(other)
+                dead = [e for e in errors if isinstance(e, RayActorError)]
+                if dead:
+                    raise HostLost(str(dead[0]).splitlines()[0]) from dead[0]
+                raise
+        return ray.get(refs)
+
+    def stop(self) -> None:
+        """Kills every worker and releases the placement (within seconds; no orphan process)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:
+                pass
+        if self.tpu_slice is not None:
+            self.tpu_slice.shutdown()
+        elif self.placement is not None:
+            remove_placement_group(self.placement)
+
+
+def _wait_placement(pg, timeout_s: float, what: str) -> None:
+    import ray
+
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(pg)
+        raise ClusterError(
+            f"Ray could not place {what} within {timeout_s:.0f} s; cluster resources: "
+            f"{ray.cluster_resources()} (lower run.hosts, or add nodes)"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Runs, restarts, replicas
+
+
+def _latest_checkpoint(run_dir: pathlib.Path) -> int | None:
+    """The latest complete orbax step (directory names are steps; unfinished saves carry a suffix)."""
+    steps = [int(p.name) for p in (run_dir / "checkpoints").glob("*") if p.is_dir() and p.name.isdigit()]
+    return max(steps) if steps else None
+
+
+def _last_logged(run_dir: pathlib.Path) -> dict:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    return json.loads(lines[-1]) if lines else {}
+
+
+def _log_event(run_dir: pathlib.Path, event: dict) -> None:
+    with (run_dir / "run_log.jsonl").open("a") as f:
+        f.write(json.dumps({"time": time.time(), **event}) + "\n")
+
+
+def _run_group(
+    config: config_lib.Config,
+    run_dir: pathlib.Path,
+    resume: bool,
+    tags: dict,
+    return_params: bool,
+    on_group: Callable[[HostGroup], None] | None,
+    say: Callable[[str], None],
+) -> list[dict]:
+    """Runs `config` to its end on a group of host workers, restarting after a lost host."""
+    from ray.exceptions import RayActorError
+
+    restarts = 0
+    _log_event(run_dir, {"event": "start", "resume": resume, "hosts": config.run.hosts, **tags})
+    while True:
+        group = HostGroup.place(config)
+        try:
+            group.initialize()
+            if on_group is not None:
+                on_group(group)
+            results = group.train(config, str(run_dir), resume, tags, return_params)
+            _log_event(run_dir, {"event": "finish", "restarts": restarts, "env_steps": results[0]["env_steps"]})
+            return results
+        except (HostLost, RayActorError) as lost:  # also a host lost while joining the program
+            reason = str(lost).splitlines()[0]
+            group.stop()
+            group = None
+            checkpoint = _latest_checkpoint(run_dir)
+            last = _last_logged(run_dir)
+            reached = int(last.get("updates", last.get("step", 0)))
+            resumed_from = checkpoint or 0
+            event = {
+                "event": "restart" if restarts < config.run.max_restarts else "failed",
+                "restart": restarts + 1,
+                "error": reason,
+                "reached_updates": reached,
+                "resumed_from_updates": resumed_from,
+                "lost_updates": max(0, reached - resumed_from),
+                "reached_env_steps": int(last.get("env_steps", 0)),
+            }
+            per_update = event["reached_env_steps"] / reached if reached else 0
+            event["lost_env_steps"] = int(event["lost_updates"] * per_update)
+            _log_event(run_dir, event)
+            if restarts >= config.run.max_restarts:
+                raise ClusterError(
+                    f"a host worker died ({reason}) and run.max_restarts={config.run.max_restarts} restarts "
+                    f"are spent; the checkpoints are intact in {run_dir / 'checkpoints'} (latest: update "
+                    f"{checkpoint}); continue with: podray train --resume {run_dir}"
+                ) from lost
+            restarts += 1
+            say(
+                f"podray: host worker lost ({reason}); restart {restarts}/{config.run.max_restarts} from "
+                f"update {resumed_from} (lost {event['lost_updates']} updates since the last checkpoint)"
+            )
+            resume = True
+        finally:
+            if group is not None:
+                group.stop()
+
+
+def train_on_ray(
+    config: config_lib.Config,
+    run_dir: str | pathlib.Path | None = None,
+    resume: bool = False,
+    address: str | None = None,
+    dashboard: bool = False,
+    keep_dashboard: Callable[[str], None] | None = None,
+    return_params: bool = False,
+    on_group: Callable[[HostGroup], None] | None = None,
+    say: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+) -> list[dict]:
+    """Trains `config` on Ray: one group of host workers per replica (run.seeds), restarted on failure.
+
+    Args:
+      config: a validated Config.
+      run_dir: the run directory (replicas get run_dir/seed-N); None takes run.run_dir or a new one.
+        On a multi-node cluster it must be storage every host sees (a shared disk or a bucket).
+      resume: continue from the latest checkpoint in run_dir.
+      address: Ray address, or None for $RAY_ADDRESS, or else an embedded local Ray (stopped at the end).
+      dashboard: start the dashboard with a local Ray and print its URL.
+      keep_dashboard: called with the URL after the run, before a local Ray stops (e.g. wait for Ctrl-C).
+      return_params: also return each host's copy of the final parameters (tests).
+      on_group: called with each HostGroup once it is placed and initialized (tests inject failures).
+    Returns:
+      One dict per replica: host 0's summary, plus "hosts" (every host's summary).
+    """
+    from podray.training import default_run_dir
+
+    pin_driver_jax_to_cpu()
+    config_lib.validate(config)
+    base = pathlib.Path(run_dir or config.run.run_dir or default_run_dir(config)).resolve()
+    seeds = config.run.seeds
+    replicas = []
+    for seed in seeds or [config.seed]:
+        c = copy.deepcopy(config)
+        c.seed, c.run.seeds = seed, []
+        replicas.append((c, base / f"seed-{seed}" if seeds else base, {"run": config.name, "replica": str(seed)}))
+    hosts_needed = len(replicas) * (1 if config.run.tpu_topology else config.run.hosts)
+    connection = connect(address, dashboard=dashboard, num_cpus=max(os.cpu_count() or 1, hosts_needed))
+    try:
+        if dashboard and connection.dashboard_url:
+            say(f"podray: Ray dashboard at {connection.dashboard_url}")
+        results: list[Any] = [None] * len(replicas)
+
+        def run_replica(i: int) -> None:
+            c, d, tags = replicas[i]
+            d.mkdir(parents=True, exist_ok=True)
+            try:
+                hosts = _run_group(c, d, resume, tags, return_params, on_group, say)
+                results[i] = {**hosts[0], "hosts": hosts}
+            except BaseException as e:  # reported by the caller's thread
+                results[i] = e
+
+        if len(replicas) == 1:
+            run_replica(0)
+        else:
+            threads = [threading.Thread(target=run_replica, args=(i,)) for i in range(len(replicas))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        if keep_dashboard is not None and connection.dashboard_url:
+            keep_dashboard(connection.dashboard_url)
+        return results
+    finally:
+        if connection.started_here:
+            import ray
+
+            ray.shutdown()

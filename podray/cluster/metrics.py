@@ -1,0 +1,53 @@
+"""Run metrics on the Ray dashboard and Prometheus, through ray.util.metrics.
+
+Ray aggregates each process's metrics in its node's metrics agent, which the dashboard reads and
+Prometheus scrapes (docs/operations.md); we only set gauges, so writing never blocks the learner.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Mapping
+
+# metric name on the dashboard -> (key in the program's metrics, description)
+GAUGES = {
+    "podray_frames_per_s": ("steps_per_s", "Environment frames per second (all devices of the run)"),
+    "podray_learner_steps_per_s": ("learner_steps_per_s", "Learner updates per second"),
+    "podray_episode_return": ("mean_return", "Mean return of the episodes completed in the last interval"),
+    "podray_policy_lag": ("policy_lag", "Parameter versions between acting and learning (0 for Anakin)"),
+    "podray_queue_occupancy": ("queue_occupancy", "Fill of the actor-to-learner queue, 0..1 (Sebulba)"),
+    "podray_env_steps": ("env_steps", "Environment steps so far"),
+}
+TAG_KEYS = ("run", "replica", "host")
+
+
+class RayMetricsSink:
+    """A Sink that sets one ray.util.metrics Gauge per metric, tagged with run, replica and host.
+
+    Args:
+      tags: values of TAG_KEYS for this host (missing ones are set to "").
+    """
+
+    def __init__(self, tags: Mapping[str, str]):
+        from ray.util.metrics import Gauge
+
+        self.tags = {k: str(tags.get(k, "")) for k in TAG_KEYS}
+        self._gauges = {name: Gauge(name, description=desc, tag_keys=TAG_KEYS) for name, (_, desc) in GAUGES.items()}
+        self._last: tuple[float, float] | None = None  # (time, updates) of the previous write
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        values = dict(metrics)
+        now, updates = time.perf_counter(), float(metrics.get("updates", step))
+        if self._last is not None and now > self._last[0]:
+            values["learner_steps_per_s"] = (updates - self._last[1]) / (now - self._last[0])
+        self._last = (now, updates)
+        if "policy_lag" not in values and "queue_occupancy" not in values:
+            values["policy_lag"] = 0.0  # Anakin acts and learns on the same parameters
+        for name, (key, _) in GAUGES.items():
+            value = values.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self._gauges[name].set(float(value), tags=self.tags)
+
+    def close(self) -> None:
+        pass
