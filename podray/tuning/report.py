@@ -68,7 +68,10 @@ def collect(spec: spec_lib.StudySpec, grid, study_dir: pathlib.Path) -> tuple[li
         history = result.metrics_dataframe
         histories[trial.trial_id] = history
         series = [_float(v) for v in history[metric]] if history is not None and metric in history else []
-        row: dict[str, Any] = {"trial": trial.trial_id, "status": trial.status}
+        # After an interruption Tune marks live trials TERMINATED in memory (RUNNING in its saved state);
+        # only a trial that completed (or was stopped by the scheduler) has done=True in its last result.
+        status = "ERROR" if result.error else "TERMINATED" if last.get("done") else "UNFINISHED"
+        row: dict[str, Any] = {"trial": trial.trial_id, "status": status}
         for name in fields:
             row[name] = config[name] if name in config else _dotted_get(spec.base_config, name)
         row[metric] = _float(last.get(metric))

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import yaml
 
 from podray.config import ConfigError
+from podray.tuning import parse
 from podray.tuning import report as report_lib
 from podray.tuning import spec as spec_lib
 from podray.tuning.trainable import TrialContext, run_trial
@@ -134,14 +135,14 @@ def _trainable(spec: spec_lib.StudySpec, study_dir: pathlib.Path):
         resources=spec.resources,
         checkpoint_every=spec.checkpoint_every,
         runs_dir=str(study_dir / "runs"),
+        compilation_cache=str(study_dir / "jax_cache"),
     )
     bundle = spec.resources.ray_bundle()
     return tune.with_resources(tune.with_parameters(run_trial, context=context), tune.PlacementGroupFactory([bundle]))
 
 
-def _unfinished(grid) -> int:
-    # ResultGrid keeps the trials' statuses only on its ExperimentAnalysis.
-    return sum(t.status not in ("TERMINATED", "ERROR") for t in grid._experiment_analysis.trials)
+def _unfinished(outputs: report_lib.Outputs) -> int:
+    return sum(row["status"] == "UNFINISHED" for row in outputs.rows)
 
 
 def run_study(
@@ -198,7 +199,7 @@ def run_study(
         grid = tuner.fit()
         wall = time.perf_counter() - start
         outputs = report_lib.write_outputs(study_dir, spec, grid, wall)
-        return StudyResult(study_dir, outputs, _unfinished(grid), wall)
+        return StudyResult(study_dir, outputs, _unfinished(outputs), wall)
     finally:
         if started:
             import ray
@@ -211,7 +212,7 @@ def load_study_dir(study_dir: str | pathlib.Path) -> spec_lib.StudySpec:
     path = pathlib.Path(study_dir) / STUDY_FILE
     if not path.exists():
         raise ConfigError(f"--resume {study_dir}: no {STUDY_FILE} there; give the directory of a podray tune study")
-    return spec_lib.from_dict(yaml.safe_load(path.read_text()), source=str(path))
+    return parse.from_dict(yaml.safe_load(path.read_text()), source=str(path))
 
 
 def resume_study(study_dir: str | pathlib.Path, address: str | None = None) -> StudyResult:
@@ -233,7 +234,7 @@ def resume_study(study_dir: str | pathlib.Path, address: str | None = None) -> S
         grid = tuner.fit()
         wall = time.perf_counter() - start
         outputs = report_lib.write_outputs(study_dir, spec, grid, wall)
-        return StudyResult(study_dir, outputs, _unfinished(grid), wall)
+        return StudyResult(study_dir, outputs, _unfinished(outputs), wall)
     finally:
         if started:
             import ray

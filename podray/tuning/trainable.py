@@ -40,12 +40,15 @@ class TrialContext:
       resources: the study's per-trial resources.
       checkpoint_every: reports between checkpoints.
       runs_dir: where trials keep their podray run directories (<study>/runs/<trial id>).
+      compilation_cache: JAX's persistent compilation cache directory shared by the trials ('' for
+        none): a trial resumed with an unchanged config loads its program instead of compiling it.
     """
 
     base_config: dict
     resources: spec_lib.Resources
     checkpoint_every: int
     runs_dir: str
+    compilation_cache: str = ""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -59,6 +62,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
       config: the sampled values, dotted config field -> value (Tune's trial config).
       context: what the study's trials share.
     """
+    import jax
     from ray import tune
 
     from podray import host as host_lib
@@ -66,6 +70,8 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     # Before validation: it imports gymnax, which starts JAX's backends (then the count is fixed).
     if context.resources.accelerator == "cpu":
         host_lib.configure_cpu_devices(context.resources.devices)
+    if context.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", context.compilation_cache)
     trial = spec_lib.trial_config(context.base_config, config, context.resources, context.checkpoint_every)
     trial_id = tune.get_context().get_trial_id()
     run_dir = pathlib.Path(context.runs_dir) / trial_id
