@@ -243,9 +243,10 @@ def test_pbt_exploits_and_the_exploiting_trial_continues_from_the_restored_steps
         search={"agent.learning_rate": rates},
         scheduler={
             "name": "pbt",
-            "perturbation_interval": 3 * STEPS_PER_REPORT,
+            "perturbation_interval": 5 * STEPS_PER_REPORT,  # one perturbation, at 1280 of 2048 steps
             "quantile_fraction": 0.5,
             "resample_probability": 0.0,
+            "synch": True,  # both trials meet at each perturbation: an exploit is certain
             "mutations": {"agent.learning_rate": rates},
         },
         samples=2,
@@ -254,13 +255,16 @@ def test_pbt_exploits_and_the_exploiting_trial_continues_from_the_restored_steps
     result = run_study(load_study(path), storage=tmp_path / "storage", name="pbt", verbose=0)
     rows = result.outputs.rows
     assert result.unfinished == 0 and {r["status"] for r in rows} == {"TERMINATED"}
-    exploited = [r for r in rows if r["restores"] >= 1]
-    assert exploited, rows
-    for row in exploited:
+    exploits = 0
+    for row in rows:
         restores = trainable.read_restores(row["run_dir"])
-        assert restores and all(set(r["changes"]) <= {"agent.learning_rate"} for r in restores)
         history = _tune_results(result.study_dir, row["trial"])
         for count, record in enumerate(restores, start=1):
+            if record["from_trial"] != row["trial"]:  # an exploit: another trial's checkpoint
+                exploits += 1
+                assert set(record["changes"]) <= {"agent.learning_rate"}  # shape-free only
+            else:  # synch PBT pauses the trials that wait; they resume from their own checkpoint
+                assert record["changes"] == {}
             restored = record["env_steps"]
             assert restored > 0 and restored % STEPS_PER_REPORT == 0
             first_after = next(h for h in history if h["restores"] == count)
@@ -268,6 +272,7 @@ def test_pbt_exploits_and_the_exploiting_trial_continues_from_the_restored_steps
             assert first_after["env_steps"] == restored + STEPS_PER_REPORT  # the step count carried on
         assert history[-1]["env_steps"] == 2048
         assert 1e-4 <= history[-1]["config"]["agent.learning_rate"] <= 3e-2  # perturbations clipped
+    assert exploits >= 1, rows
 
 
 class _InterruptOnce(tune.Callback):

@@ -137,7 +137,7 @@ def _scheduler(data: Any) -> Scheduler:
     allowed = {
         "fifo": ("name",),
         "asha": ("name", "grace_period", "reduction_factor"),
-        "pbt": ("name", "perturbation_interval", "quantile_fraction", "resample_probability", "mutations"),
+        "pbt": ("name", "perturbation_interval", "quantile_fraction", "resample_probability", "synch", "mutations"),
     }[name]
     data = _mapping("scheduler", data, allowed)
     if name == "asha":
@@ -160,6 +160,9 @@ def _scheduler(data: Any) -> Scheduler:
         resample = float(_number("scheduler.resample_probability", data.get("resample_probability", 0.25)))
         if not 0 <= resample <= 1:
             raise ConfigError(f"scheduler.resample_probability: must be in [0, 1], got {resample}")
+        synch = data.get("synch", False)
+        if not isinstance(synch, bool):
+            raise ConfigError(f"scheduler.synch: expected true or false, got {synch!r}")
         mutations = _dimensions("scheduler.mutations", data.get("mutations"), ("choice", "uniform", "loguniform"))
         if not mutations:
             raise ConfigError(
@@ -178,6 +181,7 @@ def _scheduler(data: Any) -> Scheduler:
             perturbation_interval=interval,
             quantile_fraction=quantile,
             resample_probability=resample,
+            synch=synch,
             mutations=mutations,
         )
     return Scheduler(name)

@@ -121,6 +121,8 @@ class Scheduler:
       perturbation_interval: pbt: env steps between exploit/explore decisions of a trial.
       quantile_fraction: pbt: the bottom fraction exploits the top fraction.
       resample_probability: pbt: chance to resample a mutated field instead of perturbing it.
+      synch: pbt: perturb only when every trial reached the interval (trials pause and resume from
+        their checkpoints to wait); deterministic, but every trial restarts at every perturbation.
       mutations: pbt: the shape-free fields it mutates (SHAPE_FREE_FIELDS).
     """
 
@@ -130,6 +132,7 @@ class Scheduler:
     perturbation_interval: int = 0
     quantile_fraction: float = 0.25
     resample_probability: float = 0.25
+    synch: bool = False
     mutations: tuple[Dimension, ...] = ()
 
 
@@ -213,6 +216,7 @@ class StudySpec:
                 perturbation_interval=s.perturbation_interval,
                 quantile_fraction=s.quantile_fraction,
                 resample_probability=s.resample_probability,
+                synch=s.synch,
                 mutations={d.field: d.to_yaml() for d in s.mutations},
             )
         return {

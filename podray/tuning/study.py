@@ -105,6 +105,7 @@ def make_scheduler(spec: spec_lib.StudySpec):
             hyperparam_mutations=mutations,
             quantile_fraction=s.quantile_fraction,
             resample_probability=s.resample_probability,
+            synch=s.synch,
             custom_explore_fn=ClipToRanges(s.mutations),
         )
     return FIFOScheduler()
