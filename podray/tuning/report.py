@@ -122,6 +122,7 @@ def _plot_histories(path: pathlib.Path, spec: spec_lib.StudySpec, rows: list[dic
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
+    ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)  # 20 distinct colours before any repeats
     for row in rows:
         h = histories.get(row["trial"])
         if h is None or "env_steps" not in h or spec.metric not in h:
@@ -170,7 +171,7 @@ def _plot_batch_depth(path: pathlib.Path, spec: spec_lib.StudySpec, rows: list[d
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel(batch_field)
         ax.set_ylabel(f"best {metric} (last report)")
-        ax.set_title(f"{spec.name}: best {metric} vs batch size and depth")
+        ax.set_title(f"{spec.name}\nbest {metric} vs batch size and depth", fontsize=10)
         if best:
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)

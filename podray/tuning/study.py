@@ -176,7 +176,9 @@ def run_study(
         check_cluster(spec)  # raises before the study directory or any trial exists
         study_dir.mkdir(parents=True)
         (study_dir / STUDY_FILE).write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
-        keep = 4 if spec.scheduler.name == "pbt" else 2  # PBT exploits other trials' latest checkpoints
+        # Tune snapshots the experiment state each time a trial's checkpoints rotate through num_to_keep
+        # (so the state never names a deleted one); with a checkpoint per report, keep a few.
+        keep = 8
         tuner = tune.Tuner(
             _trainable(spec, study_dir),
             param_space=param_space(spec),
