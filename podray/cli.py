@@ -54,7 +54,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
+    import jax
+
     from podray import tuning
+
+    # This process only validates (gymnax starts a JAX backend): keep it off the accelerators, which the
+    # trials on this host need (a TPU host can be opened by one process only). Not an environment
+    # variable, so that a Ray started here does not pass it on to the trials.
+    jax.config.update("jax_platforms", "cpu")
 
     if args.resume:
         if args.study or args.set:

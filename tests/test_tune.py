@@ -152,6 +152,30 @@ def test_cli_set_overrides_the_base_of_every_trial(tmp_path):
         load_study(_write_study(tmp_path), ["agent.learning_rate=-1"])
 
 
+def test_schedulers_count_time_in_env_steps(tmp_path):
+    asha = load_study(_write_study(tmp_path, scheduler={"name": "asha", "grace_period": 512}))
+    scheduler = study_lib.make_scheduler(asha)
+    assert scheduler._time_attr == "env_steps" and scheduler._max_t == 2048
+    assert [milestone for milestone, _ in scheduler._brackets[0]._rungs] == [2048, 1024, 512]  # ASHA's rungs
+    rates = {"loguniform": [1e-4, 1e-3]}
+    pbt = load_study(
+        _write_study(
+            tmp_path,
+            search={"network.depth": {"grid": [1, 2]}},
+            scheduler={"name": "pbt", "perturbation_interval": 512, "mutations": {"agent.learning_rate": rates}},
+        )
+    )
+    scheduler = study_lib.make_scheduler(pbt)
+    assert scheduler._time_attr == "env_steps" and scheduler._perturbation_interval == 512
+    space = study_lib.param_space(pbt)  # the mutated field gets an initial distribution too
+    assert set(space) == {"network.depth", "agent.learning_rate"}
+    explore = scheduler._custom_explore_fn
+    assert explore({"agent.learning_rate": 5e-3, "network.depth": 2}) == {
+        "agent.learning_rate": 1e-3,
+        "network.depth": 2,
+    }
+
+
 # --------------------------------------------------------------------------------------------------
 # The reporting sink and checkpoint restores (no Ray trial)
 
@@ -271,7 +295,10 @@ def test_pbt_exploits_and_the_exploiting_trial_continues_from_the_restored_steps
             assert first_after["restored_env_steps"] == restored
             assert first_after["env_steps"] == restored + STEPS_PER_REPORT  # the step count carried on
         assert history[-1]["env_steps"] == 2048
-        assert 1e-4 <= history[-1]["config"]["agent.learning_rate"] <= 3e-2  # perturbations clipped
+        rate = history[-1]["config"]["agent.learning_rate"]
+        assert 1e-4 <= rate <= 3e-2  # perturbations clipped to the range
+        ran = config_lib.load_yaml(str(pathlib.Path(row["run_dir"]) / "config.yaml"))
+        assert ran["agent"]["learning_rate"] == pytest.approx(rate)  # the program ran the mutated rate
     assert exploits >= 1, rows
 
 
