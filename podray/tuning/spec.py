@@ -1,4 +1,5 @@
-"""A study: the tune YAML, read into typed values and checked as a whole before Ray starts a trial.
+"""A study: its typed values (read from a tune YAML by podray.tuning.parse), and the checks of every
+trial it can produce, made before Ray starts a trial.
 
     name: anakin_cartpole_batch_depth
     base: anakin_cartpole              # a preset of configs/ or the path of a config YAML
@@ -255,7 +256,8 @@ def trial_config(
     base_config: dict, assignment: dict[str, Any], resources: Resources, checkpoint_every: int = 1
 ) -> config_lib.Config:
     """The Config of one trial: base + sampled values + what podray tune sets; validated, device split
-    included. Raises ConfigError naming the field. Imports no JAX backend beyond config validation.
+    included. Raises ConfigError naming the field. The same function runs on the driver (checking) and in
+    each trial (running).
 
     Args:
       base_config: the resolved base config as a nested dict.
