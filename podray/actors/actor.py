@@ -19,7 +19,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import numpy as np
@@ -187,9 +187,10 @@ class ActorThread(threading.Thread):
         stats = self.stats
 
         obs, ids = env.reset()
+        step = None
         while not self._stop_event.is_set():
             # Record the results of the previous actions of these environments.
-            if stats.env_calls:
+            if step is not None:
                 prev = has_prev[ids]
                 pid = ids[prev]
                 buf.reward[t[pid], pid] = step.reward[prev]
@@ -247,8 +248,8 @@ def _split_staged(staged, B: int):
         else:
             need = B - count
             if need:
-                taken.append((jax.tree.map(lambda x: x[:, :need], traj), version))
-            rest.append((jax.tree.map(lambda x: x[:, need:], traj), version))
+                taken.append((jax.tree.map(lambda x, n=need: x[:, :n], traj), version))
+            rest.append((jax.tree.map(lambda x, n=need: x[:, n:], traj), version))
             rest.extend(staged[i + 1 :])
             break
         if count == B:
