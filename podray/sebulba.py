@@ -285,7 +285,15 @@ def run(
       last report interval that had any.
     """
     start = time.perf_counter()
-    program = SebulbaProgram(config, host)
+    return run_program(SebulbaProgram(config, host), sinks, checkpointer, resume, run_dir, start)
+
+
+def run_program(
+    program: SebulbaProgram, sinks, checkpointer=None, resume: bool = False, run_dir: str = "", start: float = None
+) -> Summary:
+    """The learner loop of `run` for a built program (tests pass programs with their own envs or agent)."""
+    start = time.perf_counter() if start is None else start
+    config = program.config
     s = config.sebulba
     version, elapsed_before = 0, 0.0
     if resume and checkpointer is not None and checkpointer.latest_step() is not None:
