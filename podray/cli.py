@@ -1,7 +1,7 @@
 """The `podray` command: train, bench.
 
   podray train [PRESET_OR_YAML] [--set section.field=value ...] [--run-dir DIR] [--resume RUN_DIR]
-  podray bench anakin [--out FILE] [--quick]
+  podray bench anakin|sebulba [--out FILE] [--quick]
 
 Bad input (preset, YAML, --set, environment name, device split) is reported as one line naming the
 field and the fix, with exit status 2, before anything compiles.
@@ -48,7 +48,15 @@ def _bench(args: argparse.Namespace) -> int:
 
         anakin_bench.main(out=args.out, quick=args.quick)
         return 0
-    raise config_lib.ConfigError(f"bench: unknown target '{args.target}'; choose anakin")
+    if args.target == "sebulba":
+        from podray import host
+
+        host.configure_cpu_devices(4)  # on CPU: fake devices for the actor/learner splits
+        from podray.bench import sebulba_bench
+
+        sebulba_bench.main(out=args.out, quick=args.quick, min_seconds=args.seconds)
+        return 0
+    raise config_lib.ConfigError(f"bench: unknown target '{args.target}'; choose anakin or sebulba")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,9 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     t.set_defaults(func=_train)
     b = sub.add_parser("bench", help="throughput benchmarks")
-    b.add_argument("target", choices=["anakin"], help="what to benchmark")
+    b.add_argument("target", choices=["anakin", "sebulba"], help="what to benchmark")
     b.add_argument("--out", default=None, help="write the rows as JSON to this file")
     b.add_argument("--quick", action="store_true", help="a shorter sweep (for smoke tests)")
+    b.add_argument("--seconds", type=float, default=20.0, help="sebulba: seconds of steady state per setting")
     b.set_defaults(func=_bench)
     return parser
 

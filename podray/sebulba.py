@@ -77,6 +77,7 @@ class SebulbaProgram:
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
         self._compiled_step = None
+        self._in_flight = None  # metrics of the newest learner step (see learner_step)
         # Measured by gather(): policy lags of trajectories taken, drops, queue occupancy.
         self.lags: list[int] = []
         self.dropped = 0
@@ -110,9 +111,18 @@ class SebulbaProgram:
         return time.perf_counter() - start
 
     def learner_step(self, state: LearnerState, rollouts: Sequence[Rollout]) -> tuple[LearnerState, Any]:
-        """One learner update on k rollouts (asynchronous: returns before the devices finish)."""
+        """One learner update on k rollouts.
+
+        Asynchronous, but at most two steps are in flight: before returning, it waits for the previous
+        step to finish. Without that bound a slow learner would queue steps (and the trajectories they
+        hold) without limit, and its version would run ahead of the parameters actors can use.
+        """
         step = self._compiled_step or self.learner.step
-        return step(state, tuple(r.trajectory for r in rollouts))
+        state, metrics = step(state, tuple(r.trajectory for r in rollouts))
+        if self._in_flight is not None:
+            jax.block_until_ready(self._in_flight)
+        self._in_flight = metrics
+        return state, metrics
 
     # ---- actors --------------------------------------------------------------------------------------
 

@@ -1,0 +1,1 @@
+"""Throughput benchmarks (`podray bench ...`)."""
