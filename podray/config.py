@@ -40,7 +40,7 @@ class EnvConfig:
     reward_clip: bool = True
     """Sebulba, Atari: clip training rewards to their sign (reported returns are the real score)."""
     noop_max: int = 30
-    """Sebulba, Atari: up to this many no-op actions at the start of each game."""
+    """Sebulba, Atari: up to this many no-op actions at the start of each game (>= 1: envpool 1.2 crashes on 0)."""
     sticky_actions: float = 0.0
     """Sebulba, Atari: probability of repeating the previous action (0.25 in Machado et al.; 0 off)."""
     envpool_threads: int = 0
@@ -485,8 +485,10 @@ def _validate_sebulba(config: Config) -> None:
             f"run.checkpoint_every: {r.checkpoint_every} must be 0 or a positive multiple of sebulba.log_every "
             f"({s.log_every}), since checkpoints are taken at reports"
         )
-    if e.noop_max < 0 or e.envpool_threads < 0:
-        raise ConfigError("env.noop_max and env.envpool_threads: must be >= 0")
+    if e.noop_max < 1:
+        raise ConfigError(f"env.noop_max: must be >= 1 (envpool 1.2 crashes with 0), got {e.noop_max}")
+    if e.envpool_threads < 0:
+        raise ConfigError(f"env.envpool_threads: must be >= 0, got {e.envpool_threads}")
     if not 0.0 <= e.sticky_actions <= 1.0:
         raise ConfigError(f"env.sticky_actions: must be in [0, 1], got {e.sticky_actions}")
     shape = host_envs.observation_shape(e.name)

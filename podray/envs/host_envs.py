@@ -154,6 +154,8 @@ class HostEnv:
         if options.max_episode_steps:
             kwargs["max_episode_steps"] = options.max_episode_steps
         if self.atari:
+            if options.noop_max < 1:
+                raise ValueError("noop_max must be >= 1: envpool 1.2 crashes (segfault) on reset with noop_max=0")
             kwargs.update(
                 episodic_life=options.episodic_life,
                 reward_clip=options.reward_clip,
