@@ -2,7 +2,7 @@
 
   podray train [PRESET_OR_YAML] [--set section.field=value ...] [--run-dir DIR] [--resume RUN_DIR]
                [--address RAY_ADDRESS] [--dashboard] [--ray]
-  podray bench anakin|ray [--out FILE] [--quick]
+  podray bench anakin|sebulba|ray [--out FILE] [--quick]
   podray tune STUDY_YAML [--set section.field=value ...] [--storage DIR] [--name NAME] [--address ADDR]
   podray tune --resume STUDY_DIR
 
@@ -105,7 +105,15 @@ def _bench(args: argparse.Namespace) -> int:
 
         ray_bench.main(out=args.out, quick=args.quick)
         return 0
-    raise config_lib.ConfigError(f"bench: unknown target '{args.target}'; choose anakin")
+    if args.target == "sebulba":
+        from podray import host
+
+        host.configure_cpu_devices(4)  # on CPU: fake devices for the actor/learner splits
+        from podray.bench import sebulba_bench
+
+        sebulba_bench.main(out=args.out, quick=args.quick, min_seconds=args.seconds)
+        return 0
+    raise config_lib.ConfigError(f"bench: unknown target '{args.target}'; choose anakin, sebulba or ray")
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -178,9 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(func=_train)
     b = sub.add_parser("bench", help="throughput benchmarks")
-    b.add_argument("target", choices=["anakin", "ray"], help="what to benchmark")
+    b.add_argument("target", choices=["anakin", "sebulba", "ray"], help="what to benchmark")
     b.add_argument("--out", default=None, help="write the rows as JSON to this file")
     b.add_argument("--quick", action="store_true", help="a shorter sweep (for smoke tests)")
+    b.add_argument("--seconds", type=float, default=20.0, help="sebulba: seconds of steady state per setting")
     b.set_defaults(func=_bench)
     u = sub.add_parser("tune", help="run a Ray Tune study from tune_configs/ (docs/operations.md, Tuning)")
     u.add_argument("study", nargs="?", default=None, help="study YAML (tune_configs/NAME.yaml or a name there)")
