@@ -182,6 +182,7 @@ def test_replicas_report_separately_through_ray_metrics_export(ray_cluster, tmp_
     assert sorted(seen) == ["3", "4"], f"custom metric not exported on http://127.0.0.1:{port}/metrics: {seen}"
     assert all('host="0"' in line for line in seen.values())
     assert [pathlib.Path(r["run_dir"]).name for r in results] == ["seed-3", "seed-4"]
+    assert config_lib.from_dict(config_lib.load_yaml(str(tmp_path / "config.yaml"))).run.seeds == [3, 4]
     returns = [[row["mean_return"] for row in read_jsonl(tmp_path / f"seed-{s}" / "metrics.jsonl")] for s in (3, 4)]
     assert returns[0] != returns[1]  # independent seeds
 
