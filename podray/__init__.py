@@ -4,6 +4,7 @@ The public surface fits on one screen:
   podray.config           typed configs: load(preset, overrides), Config, ConfigError
   podray.train(config)    run a config in this process; returns a Summary
   podray.make_agent(...)  the agents (PPO, IMPALA), the same under every architecture
+  podray.tuning           Ray Tune studies: load_study(yaml), run_study(spec), resume_study(dir)
 """
 
 from podray import config

@@ -72,9 +72,10 @@ class AnakinProgram:
     Args:
       config: a validated Config.
       mesh: a 1-D mesh whose axis is named `podray.host.DEVICE_AXIS`.
+      agent: the agent to run (default: make_agent from the config); the same object runs under Sebulba.
     """
 
-    def __init__(self, config: config_lib.Config, mesh: jax.sharding.Mesh):
+    def __init__(self, config: config_lib.Config, mesh: jax.sharding.Mesh, agent=None):
         config_lib.validate_devices(config, mesh.size)
         self.config = config
         self.mesh = mesh
@@ -87,7 +88,7 @@ class AnakinProgram:
         updates = math.ceil(config.total_env_steps / self.steps_per_update)
         self.num_calls = math.ceil(updates / k.updates_per_call)
         self.num_updates = self.num_calls * k.updates_per_call
-        self.agent = make_agent(config.agent, config.network, self.env.spec, self.num_updates)
+        self.agent = agent or make_agent(config.agent, config.network, self.env.spec, self.num_updates)
         self._state_spec = RunnerState(train=P(), env=P(None, DEVICE_AXIS), obs=P(None, DEVICE_AXIS), key=P())
         # check_vma=False: rlax's scans start from unannotated constants; replication of the
         # parameters holds because every gradient is averaged over the device axis.

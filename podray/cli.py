@@ -2,7 +2,9 @@
 
   podray train [PRESET_OR_YAML] [--set section.field=value ...] [--run-dir DIR] [--resume RUN_DIR]
                [--address RAY_ADDRESS] [--dashboard] [--ray]
-  podray bench anakin|ray [--out FILE] [--quick]
+  podray bench anakin|sebulba|ray [--out FILE] [--quick]
+  podray tune STUDY_YAML [--set section.field=value ...] [--storage DIR] [--name NAME] [--address ADDR]
+  podray tune --resume STUDY_DIR
 
 Bad input (preset, YAML, --set, environment name, device split) is reported as one line naming the
 field and the fix, with exit status 2, before anything compiles.
@@ -103,7 +105,50 @@ def _bench(args: argparse.Namespace) -> int:
 
         ray_bench.main(out=args.out, quick=args.quick)
         return 0
-    raise config_lib.ConfigError(f"bench: unknown target '{args.target}'; choose anakin")
+    if args.target == "sebulba":
+        from podray import host
+
+        host.configure_cpu_devices(4)  # on CPU: fake devices for the actor/learner splits
+        from podray.bench import sebulba_bench
+
+        sebulba_bench.main(out=args.out, quick=args.quick, min_seconds=args.seconds)
+        return 0
+    raise config_lib.ConfigError(f"bench: unknown target '{args.target}'; choose anakin, sebulba or ray")
+
+
+def _tune(args: argparse.Namespace) -> int:
+    import jax
+
+    from podray import tuning
+
+    # This process only validates (gymnax starts a JAX backend): keep it off the accelerators, which the
+    # trials on this host need (a TPU host can be opened by one process only). Not an environment
+    # variable, so that a Ray started here does not pass it on to the trials.
+    jax.config.update("jax_platforms", "cpu")
+
+    if args.resume:
+        if args.study or args.set:
+            raise config_lib.ConfigError("--resume continues a study with its own spec; drop the YAML and --set")
+        result = tuning.resume_study(args.resume, address=args.address)
+    else:
+        if not args.study:
+            raise config_lib.ConfigError("tune: give a study YAML (e.g. tune_configs/anakin_cartpole_batch_depth.yaml)")
+        spec = tuning.load_study(args.study, args.set)  # every trial validated; Ray not started yet
+        result = tuning.run_study(spec, storage=args.storage, name=args.name, address=args.address)
+    print(result.outputs.table)
+    best = result.best
+    if best is not None:
+        shown = {k: v for k, v in best.items() if k not in ("trial", "status", "run_dir", "error")}
+        print(f"best trial {best['trial']}: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
+    print(f"study dir {result.study_dir} (trials.csv, trials.json, *.png) | wall {result.wall_s:.1f} s")
+    if result.unfinished:
+        print(
+            f"podray: {result.unfinished} trials unfinished (interrupted); resume with "
+            f"podray tune --resume {result.study_dir}",
+            file=sys.stderr,
+        )
+        return 130
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,10 +186,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(func=_train)
     b = sub.add_parser("bench", help="throughput benchmarks")
-    b.add_argument("target", choices=["anakin", "ray"], help="what to benchmark")
+    b.add_argument("target", choices=["anakin", "sebulba", "ray"], help="what to benchmark")
     b.add_argument("--out", default=None, help="write the rows as JSON to this file")
     b.add_argument("--quick", action="store_true", help="a shorter sweep (for smoke tests)")
+    b.add_argument("--seconds", type=float, default=20.0, help="sebulba: seconds of steady state per setting")
     b.set_defaults(func=_bench)
+    u = sub.add_parser("tune", help="run a Ray Tune study from tune_configs/ (docs/operations.md, Tuning)")
+    u.add_argument("study", nargs="?", default=None, help="study YAML (tune_configs/NAME.yaml or a name there)")
+    u.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a field of the base config for every trial (repeatable)",
+    )
+    u.add_argument("--storage", default="tune_runs", help="directory of study directories (default tune_runs)")
+    u.add_argument("--name", default=None, help="study directory name (default <study name>-<time>)")
+    u.add_argument("--address", default=None, help="Ray cluster address (default $RAY_ADDRESS, else a local Ray)")
+    u.add_argument("--resume", default=None, metavar="STUDY_DIR", help="resume an interrupted study (Tuner.restore)")
+    u.set_defaults(func=_tune)
     return parser
 
 
@@ -166,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("podray: interrupted; the latest checkpoint is kept (resume with --resume RUN_DIR)", file=sys.stderr)
         return 130
-    if args.command == "train":
+    if args.command in ("train", "tune"):
         print(f"total command time {time.perf_counter() - start:.1f} s")
     return code
 

@@ -35,6 +35,16 @@ class EnvConfig:
     envs_per_device on every device."""
     envs_per_device: int = 4
     """Environments per device and replica, used when num_envs is 0."""
+    episodic_life: bool = True
+    """Sebulba, Atari: a lost life ends the training episode (reported returns are whole games)."""
+    reward_clip: bool = True
+    """Sebulba, Atari: clip training rewards to their sign (reported returns are the real score)."""
+    noop_max: int = 30
+    """Sebulba, Atari: up to this many no-op actions at the start of each game (>= 1: envpool 1.2 crashes on 0)."""
+    sticky_actions: float = 0.0
+    """Sebulba, Atari: probability of repeating the previous action (0.25 in Machado et al.; 0 off)."""
+    envpool_threads: int = 0
+    """Sebulba: envpool worker threads per actor thread's pool; 0 lets envpool choose."""
 
 
 @dataclass
@@ -99,6 +109,34 @@ class AnakinConfig:
 
 
 @dataclass
+class SebulbaConfig:
+    actor_devices: list[int] = field(default_factory=lambda: [0])
+    """Indices (among the local devices) of the devices that run the actors' policy."""
+    learner_devices: list[int] = field(default_factory=lambda: [1])
+    """Indices of the devices that run the learner (disjoint from actor_devices)."""
+    threads_per_actor_device: int = 2
+    """Actor threads per actor device, each with its own envpool batch."""
+    actor_batch_size: int = 32
+    """Environments per actor thread (the batch of one inference call)."""
+    envs_per_actor_thread: int = 0
+    """envpool environments per actor thread; 0 means actor_batch_size (sync); a multiple k >= 2 of
+    actor_batch_size is envpool's async mode (each step returns the first actor_batch_size ready)."""
+    learner_batch_size: int = 32
+    """Trajectories per learner step, summed over learner devices; a multiple of actor_batch_size."""
+    rollout_length: int = 32
+    """Environment steps per trajectory (T of the time-major trajectory)."""
+    queue_size: int = 4
+    """Trajectories (one per actor rollout) the actor-to-learner queue holds at most."""
+    max_policy_lag: int = 8
+    """Most learner updates between the parameters that acted and those that learn from it; staler
+    trajectories are dropped (and counted)."""
+    log_every: int = 10
+    """Learner updates between metric reports."""
+    timeout_s: float = 60.0
+    """Longest wait on any queue or thread before the run fails with an error."""
+
+
+@dataclass
 class RunConfig:
     run_dir: str = ""
     """Run directory; empty means runs/<name>-<timestamp>."""
@@ -134,7 +172,7 @@ class Config:
     name: str = "anakin_cartpole"
     """Name of the run, used for the run directory."""
     architecture: str = "anakin"
-    """Podracer architecture: 'anakin' (JAX environments)."""
+    """Podracer architecture: 'anakin' (JAX environments) or 'sebulba' (envpool host environments)."""
     seed: int = 0
     """Seed of every PRNG key in the run."""
     total_env_steps: int = 512_000
@@ -143,13 +181,14 @@ class Config:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     anakin: AnakinConfig = field(default_factory=AnakinConfig)
+    sebulba: SebulbaConfig = field(default_factory=SebulbaConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-ARCHITECTURES = ("anakin",)
+ARCHITECTURES = ("anakin", "sebulba")
 AGENTS = ("ppo", "impala")
 TORSOS = ("mlp", "nature_cnn", "impala_resnet")
 ACTIVATIONS = ("tanh", "relu")
@@ -366,7 +405,7 @@ def validate(config: Config) -> None:
     _positive("anakin.updates_per_call", k.updates_per_call)
     _positive("anakin.replicas", k.replicas)
     r = config.run
-    if r.checkpoint_every < 0 or r.checkpoint_every % k.updates_per_call:
+    if config.architecture == "anakin" and (r.checkpoint_every < 0 or r.checkpoint_every % k.updates_per_call):
         raise ConfigError(
             f"run.checkpoint_every: {r.checkpoint_every} must be 0 or a positive multiple of "
             f"anakin.updates_per_call ({k.updates_per_call}), since checkpoints are taken between calls"
@@ -390,6 +429,8 @@ def validate(config: Config) -> None:
         raise ConfigError("run.hosts: leave it at 1 with run.tpu_topology; the TPU slice sets the number of hosts")
     if any(i < 0 for i in r.devices) or len(set(r.devices)) != len(r.devices):
         raise ConfigError(f"run.devices: indices must be distinct and >= 0, got {r.devices}")
+    if config.architecture == "sebulba":
+        _validate_sebulba(config)
     if config.architecture == "anakin":
         # gymnax builds arrays when imported, which starts JAX: fake the CPU devices first.
         from podray.host import configure_cpu_devices_if_not_started
@@ -397,7 +438,14 @@ def validate(config: Config) -> None:
         configure_cpu_devices_if_not_started(r.cpu_devices)
         from podray.envs import jax_envs
 
-        jax_envs.check_name(config.env.name)  # raises ConfigError
+        try:
+            jax_envs.check_name(config.env.name)
+        except ConfigError as e:
+            from podray.envs import host_envs
+
+            if config.env.name in host_envs.registered_tasks():
+                raise ConfigError(f"{e}; '{config.env.name}' is an envpool task: use architecture=sebulba") from None
+            raise
         if n.torso != "mlp" and len(jax_envs.observation_shape(config.env.name)) != 3:
             raise ConfigError(
                 f"network.torso: '{n.torso}' needs image observations [H, W, C]; {config.env.name} has "
@@ -428,6 +476,79 @@ def _check_tpu_slice(topology: str, version: str) -> None:
         )
 
 
+def _validate_sebulba(config: Config) -> None:
+    """The Sebulba section and its environment (envpool's registry is read, nothing compiles)."""
+    from podray.envs import host_envs
+
+    host_envs.check_name(config.env.name)  # raises ConfigError, with a hint for gymnax names
+    s, e, r = config.sebulba, config.env, config.run
+    for name in ("actor_devices", "learner_devices"):
+        indices = getattr(s, name)
+        if not indices:
+            raise ConfigError(f"sebulba.{name}: needs at least one device index, e.g. [0]")
+        if any(i < 0 for i in indices) or len(set(indices)) != len(indices):
+            raise ConfigError(f"sebulba.{name}: indices must be distinct and >= 0, got {indices}")
+    overlap = sorted(set(s.actor_devices) & set(s.learner_devices))
+    if overlap:
+        raise ConfigError(
+            f"sebulba.learner_devices: device(s) {overlap} are also in sebulba.actor_devices; the split must be "
+            f"disjoint, e.g. actor_devices=[0], learner_devices=[1] (on CPU, run.cpu_devices fakes more devices)"
+        )
+    for name in (
+        "threads_per_actor_device",
+        "actor_batch_size",
+        "learner_batch_size",
+        "rollout_length",
+        "queue_size",
+        "log_every",
+        "timeout_s",
+    ):
+        _positive(f"sebulba.{name}", getattr(s, name))
+    if s.max_policy_lag < 0:
+        raise ConfigError(f"sebulba.max_policy_lag: must be >= 0, got {s.max_policy_lag}")
+    if s.envs_per_actor_thread and (
+        s.envs_per_actor_thread < 2 * s.actor_batch_size or s.envs_per_actor_thread % s.actor_batch_size
+    ):
+        raise ConfigError(
+            f"sebulba.envs_per_actor_thread: {s.envs_per_actor_thread} must be 0 (sync) or a multiple >= 2 of "
+            f"sebulba.actor_batch_size ({s.actor_batch_size}) for envpool's async mode"
+        )
+    n_learners = len(s.learner_devices)
+    if s.actor_batch_size % n_learners:
+        raise ConfigError(
+            f"sebulba.actor_batch_size: {s.actor_batch_size} does not split over {n_learners} learner devices; "
+            f"use a multiple of {n_learners}"
+        )
+    if s.learner_batch_size % s.actor_batch_size:
+        raise ConfigError(
+            f"sebulba.learner_batch_size: {s.learner_batch_size} must be a multiple of sebulba.actor_batch_size "
+            f"({s.actor_batch_size}): a learner step gathers whole actor trajectories"
+        )
+    per_device = s.rollout_length * s.learner_batch_size // n_learners
+    if config.agent.name == "ppo" and per_device % config.agent.num_minibatches:
+        raise ConfigError(
+            f"agent.num_minibatches: {config.agent.num_minibatches} does not divide the per-learner-device batch "
+            f"of {per_device} (sebulba.rollout_length x learner_batch_size / learner devices)"
+        )
+    if r.checkpoint_every < 0 or r.checkpoint_every % s.log_every:
+        raise ConfigError(
+            f"run.checkpoint_every: {r.checkpoint_every} must be 0 or a positive multiple of sebulba.log_every "
+            f"({s.log_every}), since checkpoints are taken at reports"
+        )
+    if e.noop_max < 1:
+        raise ConfigError(f"env.noop_max: must be >= 1 (envpool 1.2 crashes with 0), got {e.noop_max}")
+    if e.envpool_threads < 0:
+        raise ConfigError(f"env.envpool_threads: must be >= 0, got {e.envpool_threads}")
+    if not 0.0 <= e.sticky_actions <= 1.0:
+        raise ConfigError(f"env.sticky_actions: must be in [0, 1], got {e.sticky_actions}")
+    shape = host_envs.observation_shape(e.name)
+    if config.network.torso != "mlp" and len(shape) != 3:
+        raise ConfigError(
+            f"network.torso: '{config.network.torso}' needs image observations; {e.name} has shape {shape}; "
+            "use network.torso=mlp"
+        )
+
+
 def num_envs(config: Config, num_devices: int) -> int:
     """Environments per replica over all `num_devices` devices."""
     return config.env.num_envs or config.env.envs_per_device * num_devices
@@ -435,6 +556,16 @@ def num_envs(config: Config, num_devices: int) -> int:
 
 def validate_devices(config: Config, num_devices: int) -> None:
     """The checks that need the device count (still before any compilation)."""
+    if config.architecture == "sebulba":
+        s = config.sebulba
+        for name in ("actor_devices", "learner_devices"):
+            bad = [i for i in getattr(s, name) if i >= num_devices]
+            if bad:
+                raise ConfigError(
+                    f"sebulba.{name}: index {bad[0]} is out of range; this run has {num_devices} devices "
+                    f"(0..{num_devices - 1}); on CPU set run.cpu_devices to fake more"
+                )
+        return
     total = num_envs(config, num_devices)
     if total % num_devices:
         raise ConfigError(

@@ -1,6 +1,6 @@
 """What every architecture program shares: its entry point's shape and the Summary it returns.
 
-An architecture module (podray.anakin, later podray.sebulba) exposes
+An architecture module (podray.anakin, podray.sebulba) exposes
 
     run(config, host, sinks, checkpointer=None, resume=False, run_dir="") -> Summary
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 # architecture name -> module exposing run(...)
-PROGRAMS = {"anakin": "podray.anakin"}
+PROGRAMS = {"anakin": "podray.anakin", "sebulba": "podray.sebulba"}
 
 
 def program_module(architecture: str):

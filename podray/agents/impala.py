@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import rlax
 
-from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob
+from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob, mean_over
 
 
 class IMPALA(Agent):
@@ -56,5 +56,5 @@ class IMPALA(Agent):
         del key
         grads, metrics = jax.grad(self.loss, has_aux=True)(state.params, trajectory)
         params, opt_state = self._apply_gradients(state, grads, axis_name)
-        metrics = jax.lax.pmean(metrics, axis_name) if axis_name is not None else metrics
+        metrics = mean_over(metrics, axis_name)
         return TrainState(params=params, opt_state=opt_state, updates=state.updates + 1), metrics

@@ -33,6 +33,16 @@ class PPOBatch:
 class PPO(Agent):
     """PPO with a clipped surrogate policy loss, a clipped value loss and an entropy bonus."""
 
+    scan_unroll: bool | None = None
+    """Unroll the loops over epochs and minibatches (True), keep them as scans (False), or choose by
+    backend (None): on CPU a conv-net gradient inside a scan runs far slower than unrolled
+    (jax-ml/jax#12868; see docs/sebulba.md for our measurement), so pixel torsos unroll on CPU."""
+
+    def _unroll(self) -> bool:
+        if self.scan_unroll is not None:
+            return self.scan_unroll
+        return jax.default_backend() == "cpu" and self.network.config.torso != "mlp"
+
     def optimizer_steps_per_update(self) -> int:
         return self.config.epochs * self.config.num_minibatches
 
@@ -113,10 +123,11 @@ class PPO(Agent):
         def epoch(carry, epoch_key):
             perm = jax.random.permutation(epoch_key, n)
             shuffled = jax.tree.map(lambda x: x[perm].reshape((c.num_minibatches, -1) + x.shape[1:]), batch)
-            return jax.lax.scan(minibatch_step, carry, shuffled)
+            return jax.lax.scan(minibatch_step, carry, shuffled, unroll=unroll)
 
+        unroll = self._unroll()
         (params, opt_state), metrics = jax.lax.scan(
-            epoch, (state.params, state.opt_state), jax.random.split(key, c.epochs)
+            epoch, (state.params, state.opt_state), jax.random.split(key, c.epochs), unroll=unroll
         )
         metrics = mean_over(jax.tree.map(jnp.mean, metrics), axis_name)
         new_state = TrainState(params=params, opt_state=opt_state, updates=state.updates + 1)

@@ -109,6 +109,9 @@ class JaxEnv:
           (state, obs) with obs [B, *obs_shape].
         """
         obs, inner = jax.vmap(self._env.reset, in_axes=(0, None))(keys, self._params)
+        # Strong dtypes (gymnax leaves some weakly typed): a state restored from a checkpoint is strongly
+        # typed, and the same types make a resumed run compile the same program (compilation cache hits).
+        inner = jax.tree.map(lambda x: jnp.asarray(x, dtype=x.dtype), inner)
         zeros = jnp.zeros(keys.shape[:1], jnp.float32)
         state = EnvState(inner=inner, episode_return=zeros, episode_length=zeros.astype(jnp.int32))
         return state, obs.astype(self.spec.obs_dtype)

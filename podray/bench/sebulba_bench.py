@@ -1,0 +1,296 @@
+"""`podray bench sebulba`: frames/s of Sebulba IMPALA on Pong-v5 against what its parts allow.
+
+For each setting (torso, actor batch size, threads per actor device, actor/learner device split) it
+measures, in the same process:
+  - env:       raw envpool throughput of one actor batch with random actions (env steps/s);
+  - inference: the jitted policy at the actor batch on an actor device, host copies in and out
+               included (env steps/s);
+  - learner:   the compiled learner step on a synthetic learner batch (env steps/s);
+  - measured:  the whole Sebulba pipeline, env steps the learner consumed per second, after warm-up.
+Where all three share the same CPU cores, the best rate a pipeline can reach is the sequential bound
+1 / (1/env + 1/inference + 1/learner) (every env step costs all three, on the same cores); with an
+accelerator it is the slowest of the three. Efficiency = measured / bound. Frames = 4 x env steps
+(Atari frame skip).
+
+The learner batch equals the actor batch here (one trajectory per learner step), so that frames/s is
+compared at equal work per sample; the rollout length is 20 (IMPALA's).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pathlib
+import time
+from dataclasses import asdict, dataclass
+
+import jax
+import numpy as np
+
+FULL_SWEEP = {
+    "torso": ["nature_cnn", "impala_resnet"],
+    "actor_batch_size": [32, 64, 128],
+    "threads_per_actor_device": [1, 2, 4],
+    "split": ["1+1", "1+2"],
+}
+QUICK_SWEEP = {
+    "torso": ["nature_cnn"],
+    "actor_batch_size": [32, 64, 128],
+    "threads_per_actor_device": [2],
+    "split": ["1+1"],
+}
+SPLITS = {"1+1": ([0], [1]), "1+2": ([0], [1, 2]), "2+2": ([0, 1], [2, 3])}
+
+
+@dataclass
+class Row:
+    """One setting's measurements (rates in env steps/s unless named frames)."""
+
+    setting: str
+    torso: str
+    actor_batch_size: int
+    threads_per_actor_device: int
+    split: str
+    env_steps_per_s: float
+    inference_steps_per_s: float
+    learner_steps_per_s: float
+    ceiling_steps_per_s: float
+    measured_steps_per_s: float
+    frames_per_s: float
+    ceiling_frames_per_s: float
+    env_frames_per_s: float
+    inference_frames_per_s: float
+    learner_frames_per_s: float
+    efficiency: float
+    policy_lag: float
+    learner_updates: int
+    measure_s: float
+    load_avg_1m: float
+
+
+def _config(torso: str, batch: int, threads: int, split: str, env: str, rollout_length: int):
+    from podray import config as config_lib
+
+    actors, learners = SPLITS[split]
+    overrides = [
+        f"env.name={env}",
+        f"network.torso={torso}",
+        f"sebulba.actor_devices={actors}",
+        f"sebulba.learner_devices={learners}",
+        f"sebulba.threads_per_actor_device={threads}",
+        f"sebulba.actor_batch_size={batch}",
+        f"sebulba.learner_batch_size={batch}",
+        f"sebulba.rollout_length={rollout_length}",
+        "sebulba.queue_size=2",
+        "sebulba.max_policy_lag=1000",
+        "sebulba.timeout_s=600",
+        "run.cpu_devices=0",
+    ]
+    if torso == "impala_resnet":
+        overrides += ["network.depth=2", "network.width=256"]
+    return config_lib.load("sebulba_pong", overrides)
+
+
+def _median_rate(fn, work: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return work / float(np.median(times))
+
+
+def _env_ceiling(program, batch: int, steps: int = 100) -> float:
+    env = program._make_env(0)
+    try:
+        env.reset()
+        rng = np.random.default_rng(0)
+        n = env.spec.num_actions
+        ids = np.arange(batch, dtype=np.int32)
+
+        def run():
+            for _ in range(steps):
+                env.send(rng.integers(0, n, batch), ids)
+                env.recv()
+
+        run()  # warm-up
+        return _median_rate(run, steps * batch, 3)
+    finally:
+        env.close()
+
+
+def _inference_ceiling(program, state, batch: int, calls: int = 10) -> float:
+    device = program.actor_devices[0]
+    params = jax.device_put(state.train.params, device)
+    key = jax.device_put(jax.random.PRNGKey(0), device)
+    obs = np.zeros((batch, *program._raw_obs_shape()), np.uint8)
+
+    def run():
+        for _ in range(calls):
+            jax.device_get(program.policy(params, jax.device_put(obs, device), key)[1:])
+
+    return _median_rate(run, calls * batch, 3)
+
+
+def _learner_ceiling(program, state, repeats: int):
+    from podray.actors import Rollout
+
+    s = program.config.sebulba
+    abstract = program.learner.abstract_trajectory(
+        s.rollout_length, s.actor_batch_size, program._raw_obs_shape(), program.spec.obs_dtype
+    )
+    rng = np.random.default_rng(0)
+
+    def fake(a):
+        if a.dtype == np.uint8:
+            x = rng.integers(0, 255, a.shape, dtype=np.uint8)
+        elif a.dtype == np.int32:
+            x = rng.integers(0, program.spec.num_actions, a.shape).astype(np.int32)
+        else:
+            x = rng.random(a.shape, dtype=np.float32)
+        return jax.device_put(x, a.sharding)
+
+    rollouts = [Rollout(jax.tree.map(fake, abstract), 0, 0) for _ in range(program.learner.k)]
+    holder = [state]
+
+    def run():
+        holder[0], metrics = program.learner_step(holder[0], rollouts)
+        jax.block_until_ready(metrics)
+
+    run()  # warm-up
+    return _median_rate(run, program.steps_per_update, repeats), holder[0]
+
+
+def _pipeline(program, state, warmup_updates: int, min_updates: int, min_seconds: float):
+    """Runs actors and learner; returns (env steps/s consumed by the learner, mean lag, updates)."""
+    program.start(state.train.params, 0)
+    try:
+        version = 0
+        for _ in range(warmup_updates):
+            state, _ = program.learner_step(state, program.gather(version))
+            version += 1
+            program.params.publish(state.train.params, version)
+        jax.block_until_ready(state)
+        program.lags.clear()
+        start, updates = time.perf_counter(), 0
+        while updates < min_updates or time.perf_counter() - start < min_seconds:
+            state, metrics = program.learner_step(state, program.gather(version))
+            version += 1
+            updates += 1
+            program.params.publish(state.train.params, version)
+        jax.block_until_ready(metrics)
+        elapsed = time.perf_counter() - start
+    finally:
+        program.stop()
+    lag = float(np.mean(program.lags)) if program.lags else float("nan")
+    return updates * program.steps_per_update / elapsed, lag, updates, elapsed
+
+
+def measure(
+    torso: str,
+    batch: int,
+    threads: int,
+    split: str,
+    env: str = "Pong-v5",
+    rollout_length: int = 20,
+    min_seconds: float = 20.0,
+) -> Row:
+    """Measures one setting (see the module docstring)."""
+    import os
+
+    from podray.host import local_context
+    from podray.sebulba import SebulbaProgram
+
+    config = _config(torso, batch, threads, split, env, rollout_length)
+    program = SebulbaProgram(config, local_context())
+    state = program.learner.initial_state(0)
+    program.compile(state)
+    env_rate = _env_ceiling(program, batch)
+    inference_rate = _inference_ceiling(program, state, batch)
+    learner_rate, state = _learner_ceiling(program, state, repeats=3)
+    bound = 1.0 / (1.0 / env_rate + 1.0 / inference_rate + 1.0 / learner_rate)
+    measured, lag, updates, elapsed = _pipeline(program, state, 2, 3, min_seconds)
+    frames = program.frame_skip
+    return Row(
+        setting=f"{torso} B={batch} threads={threads} split={split}",
+        torso=torso,
+        actor_batch_size=batch,
+        threads_per_actor_device=threads,
+        split=split,
+        env_steps_per_s=env_rate,
+        inference_steps_per_s=inference_rate,
+        learner_steps_per_s=learner_rate,
+        ceiling_steps_per_s=bound,
+        measured_steps_per_s=measured,
+        frames_per_s=measured * frames,
+        ceiling_frames_per_s=bound * frames,
+        env_frames_per_s=env_rate * frames,
+        inference_frames_per_s=inference_rate * frames,
+        learner_frames_per_s=learner_rate * frames,
+        efficiency=measured / bound,
+        policy_lag=lag,
+        learner_updates=updates,
+        measure_s=elapsed,
+        load_avg_1m=os.getloadavg()[0],
+    )
+
+
+def _table(rows: list[Row]) -> str:
+    head = (
+        f"{'setting':<44} {'frames/s':>9} {'bound':>9} {'eff':>5} {'env f/s':>9} {'infer f/s':>10} "
+        f"{'learn f/s':>10} {'lag':>5} {'load':>5}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r.setting:<44} {r.frames_per_s:>9,.0f} {r.ceiling_frames_per_s:>9,.0f} {r.efficiency:>5.0%} "
+            f"{r.env_frames_per_s:>9,.0f} {r.inference_frames_per_s:>10,.0f} {r.learner_frames_per_s:>10,.0f} "
+            f"{r.policy_lag:>5.1f} {r.load_avg_1m:>5.1f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: str | pathlib.Path) -> None:
+    """frames/s (solid) and the sequential bound (dashed) against actor batch size, one line per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.torso, r.threads_per_actor_device, r.split), []).append(r)
+    for (torso, threads, split), group in sorted(groups.items()):
+        group.sort(key=lambda r: r.actor_batch_size)
+        x = [r.actor_batch_size for r in group]
+        (line,) = ax.plot(x, [r.frames_per_s for r in group], "o-", label=f"{torso}, {threads} thr, {split}")
+        ax.plot(x, [r.ceiling_frames_per_s for r in group], "--", color=line.get_color(), alpha=0.6)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("actor batch size (envs per actor thread)")
+    ax.set_ylabel("frames/s (Pong-v5, frame skip 4)")
+    ax.set_title("Sebulba IMPALA on CPU: measured (solid) vs sequential bound (dashed)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(
+    out: str | None = None, quick: bool = False, min_seconds: float = 20.0, sweep: dict | None = None
+) -> list[Row]:
+    """Runs the sweep, prints a table, writes JSON rows to `out` and a PNG plot beside it."""
+    sweep = sweep or (QUICK_SWEEP if quick else FULL_SWEEP)
+    rows = []
+    for torso, batch, threads, split in itertools.product(
+        sweep["torso"], sweep["actor_batch_size"], sweep["threads_per_actor_device"], sweep["split"]
+    ):
+        rows.append(measure(torso, batch, threads, split, min_seconds=min_seconds))
+        print(_table(rows[-1:]).splitlines()[-1], flush=True)
+    print(_table(rows))
+    if out:
+        path = pathlib.Path(out)
+        path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+        plot(rows, path.with_suffix(".png"))
+    return rows

@@ -1,0 +1,245 @@
+"""Running a study on Ray Tune: the Tuner, its scheduler and resources, and restoring a study.
+
+    run_study(spec)           -> StudyResult   (a new study directory <storage>/<name>-<time>)
+    resume_study(study_dir)   -> StudyResult   (Tuner.restore of an interrupted study)
+
+The study directory is Tune's experiment directory; podray adds study.yaml (the resolved study, which
+--resume reads back), runs/<trial id>/ (each trial's podray run directory) and the outputs of
+podray.tuning.report. The spec was validated before this module is called; here we check only what
+needs the Ray cluster (that some node can hold a trial), still before any trial starts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import yaml
+
+from podray.config import ConfigError
+from podray.tuning import parse
+from podray.tuning import report as report_lib
+from podray.tuning import spec as spec_lib
+from podray.tuning.trainable import TrialContext, run_trial
+
+STUDY_FILE = "study.yaml"
+
+
+@dataclass
+class StudyResult:
+    """What a study produced.
+
+    Attributes:
+      study_dir: the study directory.
+      outputs: the table, rows and files written by podray.tuning.report.
+      unfinished: trials neither terminated nor errored (the study was interrupted).
+      wall_s: seconds of this fit (a resumed study counts only its own).
+    """
+
+    study_dir: pathlib.Path
+    outputs: report_lib.Outputs
+    unfinished: int
+    wall_s: float
+
+    @property
+    def best(self) -> dict | None:
+        return self.outputs.rows[0] if self.outputs.rows else None
+
+
+class ClipToRanges:
+    """PBT's custom_explore_fn: PBT perturbs a float by x0.8 or x1.2 without bounds; clip each mutated
+    field back into its range, so an exploited trial's config stays valid (e.g. a discount <= 1)."""
+
+    def __init__(self, mutations: Sequence[spec_lib.Dimension]):
+        self.bounds = {d.field: (min(d.values), max(d.values)) for d in mutations}
+
+    def __call__(self, config: dict) -> dict:
+        for name, (low, high) in self.bounds.items():
+            if name in config and isinstance(config[name], (int, float)):
+                config[name] = min(max(config[name], low), high)
+        return config
+
+
+def _domain(dimension: spec_lib.Dimension):
+    from ray import tune
+
+    low_high = dimension.values
+    return {
+        "grid": lambda: tune.grid_search(list(dimension.values)),
+        "choice": lambda: tune.choice(list(dimension.values)),
+        "uniform": lambda: tune.uniform(*low_high),
+        "loguniform": lambda: tune.loguniform(*low_high),
+        "randint": lambda: tune.randint(*low_high),
+    }[dimension.kind]()
+
+
+def param_space(spec: spec_lib.StudySpec) -> dict[str, Any]:
+    """Tune's param_space: dotted config field -> domain (a PBT-mutated field not searched is sampled
+    from its mutation range)."""
+    space = {d.field: _domain(d) for d in spec.search}
+    for d in spec.scheduler.mutations:
+        space.setdefault(d.field, _domain(d))
+    return space
+
+
+def make_scheduler(spec: spec_lib.StudySpec):
+    """The Tune scheduler; its time is env steps, so trials of any batch size compare at equal steps."""
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+
+    s = spec.scheduler
+    if s.name == "asha":
+        max_t = spec_lib.max_env_steps(spec)
+        grace = s.grace_period or max(1, max_t // 10)
+        return ASHAScheduler(
+            time_attr="env_steps", max_t=max_t, grace_period=grace, reduction_factor=s.reduction_factor
+        )
+    if s.name == "pbt":
+        mutations = {d.field: (list(d.values) if d.kind == "choice" else _domain(d)) for d in s.mutations}
+        return PopulationBasedTraining(
+            time_attr="env_steps",
+            perturbation_interval=s.perturbation_interval,
+            hyperparam_mutations=mutations,
+            quantile_fraction=s.quantile_fraction,
+            resample_probability=s.resample_probability,
+            synch=s.synch,
+            custom_explore_fn=ClipToRanges(s.mutations),
+        )
+    return FIFOScheduler()
+
+
+def connect(address: str | None = None) -> bool:
+    """Connects to Ray at `address` (or $RAY_ADDRESS); else starts a local Ray. Returns whether this
+    call started it (then the caller shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False)
+    return True
+
+
+def check_cluster(spec: spec_lib.StudySpec) -> None:
+    import ray
+
+    spec_lib.check_cluster(spec, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+
+
+def _trainable(spec: spec_lib.StudySpec, study_dir: pathlib.Path):
+    from ray import tune
+
+    context = TrialContext(
+        base_config=spec.base_config,
+        resources=spec.resources,
+        checkpoint_every=spec.checkpoint_every,
+        runs_dir=str(study_dir / "runs"),
+        compilation_cache=str(study_dir / "jax_cache"),
+    )
+    bundle = spec.resources.ray_bundle()
+    return tune.with_resources(tune.with_parameters(run_trial, context=context), tune.PlacementGroupFactory([bundle]))
+
+
+def _unfinished(outputs: report_lib.Outputs) -> int:
+    return sum(row["status"] == "UNFINISHED" for row in outputs.rows)
+
+
+def run_study(
+    spec: spec_lib.StudySpec,
+    storage: str | pathlib.Path = "tune_runs",
+    name: str | None = None,
+    address: str | None = None,
+    callbacks: Sequence[Any] = (),
+    verbose: int = 1,
+) -> StudyResult:
+    """Runs a validated study on Ray Tune and writes its outputs.
+
+    Args:
+      spec: from podray.tuning.load_study (validated).
+      storage: the directory holding study directories.
+      name: the study directory's name; default <spec.name>-<time>.
+      address: the Ray cluster; None: $RAY_ADDRESS, else a local Ray started here.
+      callbacks: extra ray.tune.Callback objects.
+      verbose: Tune's verbosity (0 silent, 1 status tables).
+    """
+    from ray import tune
+
+    storage = pathlib.Path(storage).resolve()
+    name = name or f"{spec.name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    study_dir = storage / name
+    if study_dir.exists():
+        raise ConfigError(f"--name: study directory {study_dir} exists; choose another name or --resume it")
+    started = connect(address)
+    try:
+        check_cluster(spec)  # raises before the study directory or any trial exists
+        study_dir.mkdir(parents=True)
+        (study_dir / STUDY_FILE).write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
+        # Tune snapshots the experiment state each time a trial's checkpoints rotate through num_to_keep
+        # (so the state never names a deleted one); with a checkpoint per report, keep a few.
+        keep = 8
+        tuner = tune.Tuner(
+            _trainable(spec, study_dir),
+            param_space=param_space(spec),
+            tune_config=tune.TuneConfig(
+                metric=spec.metric,
+                mode=spec.mode,
+                scheduler=make_scheduler(spec),
+                num_samples=spec.samples,
+                max_concurrent_trials=spec.concurrency or None,
+                reuse_actors=False,  # a fresh process per trial: JAX fixes its device count per process
+            ),
+            run_config=tune.RunConfig(
+                name=name,
+                storage_path=str(storage),
+                checkpoint_config=tune.CheckpointConfig(num_to_keep=keep),
+                callbacks=list(callbacks),
+                verbose=verbose,
+            ),
+        )
+        start = time.perf_counter()
+        grid = tuner.fit()
+        wall = time.perf_counter() - start
+        outputs = report_lib.write_outputs(study_dir, spec, grid, wall)
+        return StudyResult(study_dir, outputs, _unfinished(outputs), wall)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def load_study_dir(study_dir: str | pathlib.Path) -> spec_lib.StudySpec:
+    """The study a study directory was started with (validated again)."""
+    path = pathlib.Path(study_dir) / STUDY_FILE
+    if not path.exists():
+        raise ConfigError(f"--resume {study_dir}: no {STUDY_FILE} there; give the directory of a podray tune study")
+    return parse.from_dict(yaml.safe_load(path.read_text()), source=str(path))
+
+
+def resume_study(study_dir: str | pathlib.Path, address: str | None = None) -> StudyResult:
+    """Resumes an interrupted study (Tuner.restore): unfinished trials continue from their latest
+    checkpoints, errored ones are retried from theirs, finished ones are kept."""
+    from ray import tune
+
+    study_dir = pathlib.Path(study_dir).resolve()
+    spec = load_study_dir(study_dir)
+    if not tune.Tuner.can_restore(str(study_dir)):
+        raise ConfigError(f"--resume {study_dir}: Tune saved no experiment state there; the study never started")
+    started = connect(address)
+    try:
+        check_cluster(spec)
+        tuner = tune.Tuner.restore(
+            str(study_dir), trainable=_trainable(spec, study_dir), resume_unfinished=True, resume_errored=True
+        )
+        start = time.perf_counter()
+        grid = tuner.fit()
+        wall = time.perf_counter() - start
+        outputs = report_lib.write_outputs(study_dir, spec, grid, wall)
+        return StudyResult(study_dir, outputs, _unfinished(outputs), wall)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()

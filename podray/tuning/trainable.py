@@ -1,0 +1,276 @@
+"""The Ray Tune trainable: a trial is an ordinary podray run.
+
+`run_trial` is a Tune function trainable. It builds the trial's Config (the same `trial_config` the
+driver validated), restores the run directory from `tune.get_checkpoint()` when Tune hands it one
+(resume after an interruption, a pause, or a PBT exploit), and calls podray.training.train with one
+extra sink, `TuneReportSink`, which turns every metrics row into `tune.report(metrics, checkpoint)`.
+
+A Tune checkpoint is a small directory: the orbax checkpoint of one step (podray.checkpoint), the
+trial's config.yaml and checkpoint.json (trial, updates, env steps). Restoring copies the orbax step
+into the run directory and calls train(resume=True), which continues from it, step count included.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from podray import config as config_lib
+from podray.config import ConfigError
+from podray.tuning import spec as spec_lib
+
+INFO_FILE = "checkpoint.json"
+RESTORES_FILE = "restores.jsonl"
+
+
+@dataclass(frozen=True)
+class TrialContext:
+    """What every trial of a study shares (passed with tune.with_parameters).
+
+    Attributes:
+      base_config: the study's resolved base config, a nested dict.
+      resources: the study's per-trial resources.
+      checkpoint_every: reports between checkpoints.
+      runs_dir: where trials keep their podray run directories (<study>/runs/<trial id>).
+      compilation_cache: JAX's persistent compilation cache directory shared by the trials ('' for
+        none): a trial resumed with an unchanged config loads its program instead of compiling it.
+    """
+
+    base_config: dict
+    resources: spec_lib.Resources
+    checkpoint_every: int
+    runs_dir: str
+    compilation_cache: str = ""
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainable
+
+
+def run_trial(config: dict[str, Any], context: TrialContext) -> None:
+    """A Ray Tune function trainable: runs one trial of a study.
+
+    Args:
+      config: the sampled values, dotted config field -> value (Tune's trial config).
+      context: what the study's trials share.
+    """
+    import jax
+    from ray import tune
+
+    from podray import host as host_lib
+
+    # Before validation: it imports gymnax, which starts JAX's backends (then the count is fixed).
+    if context.resources.accelerator == "cpu":
+        host_lib.configure_cpu_devices(context.resources.devices)
+    if context.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", context.compilation_cache)
+    trial = spec_lib.trial_config(context.base_config, config, context.resources, context.checkpoint_every)
+    trial_id = tune.get_context().get_trial_id()
+    run_dir = pathlib.Path(context.runs_dir) / trial_id
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            restore_run_dir(directory, run_dir, trial)
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)  # a restart without a checkpoint starts over
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sink = TuneReportSink(run_dir, trial_id)
+    launch(trial, run_dir, resume=checkpoint is not None, sink=sink)
+    sink.flush()
+
+
+def launch(config: config_lib.Config, run_dir: pathlib.Path, resume: bool, sink) -> Any:
+    """Runs a trial's podray run; returns its Summary. The seam between Tune and podray.
+
+    Today the run is podray.training.train in this process (the trial's Ray actor) on the devices Ray
+    gave it. A multi-host trial (resources.hosts > 1) would call the Ray layer here instead
+    (podray.cluster places one host worker per host, each calling the same train(...)), with host 0
+    sending its metrics rows back to `sink` in this process, where tune.report must be called.
+    """
+    from podray.training import train
+
+    return train(config, run_dir=run_dir, resume=resume, extra_sinks=[sink])
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints: staging one orbax step for Tune, restoring it into a run directory
+
+
+def orbax_steps(directory: pathlib.Path) -> list[int]:
+    """Steps of the finished orbax checkpoints under `directory` (temporary directories excluded)."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def _link_tree(src: pathlib.Path, dst: pathlib.Path) -> None:
+    """Copies a directory tree, hard-linking files where the filesystem allows (orbax never rewrites
+    a finished checkpoint's files)."""
+
+    def link_or_copy(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, dst, copy_function=link_or_copy)
+
+
+def stage_checkpoint(run_dir: pathlib.Path, step: int, info: dict, into: pathlib.Path) -> pathlib.Path:
+    """Builds the Tune checkpoint directory of `step` in `into`: checkpoints/<step>, config.yaml,
+    checkpoint.json."""
+    shutil.rmtree(into, ignore_errors=True)
+    into.mkdir(parents=True)
+    _link_tree(run_dir / "checkpoints" / str(step), into / "checkpoints" / str(step))
+    shutil.copy2(run_dir / "config.yaml", into / "config.yaml")
+    (into / INFO_FILE).write_text(json.dumps(info) + "\n")
+    return into
+
+
+def config_changes(old: config_lib.Config, new: config_lib.Config) -> dict[str, list]:
+    """Dotted field -> [old, new] for every field that differs, run.* excluded."""
+
+    def flat(d: Mapping, prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, Mapping):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    a, b = flat(old.to_dict()), flat(new.to_dict())
+    return {
+        k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not k.startswith("run.")
+    }
+
+
+def restore_run_dir(checkpoint_dir: str | pathlib.Path, run_dir: pathlib.Path, config: config_lib.Config) -> dict:
+    """Makes `run_dir` continue from a Tune checkpoint (this trial's, or another's after a PBT exploit).
+
+    The checkpoint's config may differ from `config` only in shape-free fields
+    (spec.SHAPE_FREE_FIELDS), so that its state (parameters, optimizer state) fits the program that
+    `config` compiles; anything else is a ConfigError naming the fields. Appends the restore to
+    run_dir/restores.jsonl and returns that record.
+    """
+    checkpoint_dir = pathlib.Path(checkpoint_dir)
+    info = json.loads((checkpoint_dir / INFO_FILE).read_text())
+    old = config_lib.from_dict(yaml.safe_load((checkpoint_dir / "config.yaml").read_text()))
+    changes = config_changes(old, config)
+    misfits = [k for k in changes if k not in spec_lib.SHAPE_FREE_FIELDS]
+    if misfits:
+        detail = ", ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in misfits)
+        raise ConfigError(
+            f"{misfits[0]}: the checkpoint of trial {info.get('trial_id')} does not fit this trial ({detail}); "
+            f"a restored state must keep its shapes, so only {', '.join(spec_lib.SHAPE_FREE_FIELDS)} may change"
+        )
+    steps = orbax_steps(checkpoint_dir / "checkpoints")
+    if not steps:
+        raise FileNotFoundError(f"Tune checkpoint {checkpoint_dir} holds no orbax checkpoint")
+    target = run_dir / "checkpoints"
+    shutil.rmtree(target, ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _link_tree(checkpoint_dir / "checkpoints", target)
+    record = {
+        "time": time.time(),
+        "from_trial": info.get("trial_id"),
+        "updates": steps[-1],
+        "env_steps": info.get("env_steps"),
+        "changes": changes,
+    }
+    with (run_dir / RESTORES_FILE).open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
+def read_restores(run_dir: str | pathlib.Path) -> list[dict]:
+    """The restores of a trial's run directory, oldest first."""
+    path = pathlib.Path(run_dir) / RESTORES_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# --------------------------------------------------------------------------------------------------
+# The sink
+
+
+class TuneReportSink:
+    """A podray Sink that reports each metrics row to Ray Tune, with the checkpoint of the same step.
+
+    Programs write a row and then save that step's checkpoint, so a row is held back until the next
+    write (or `flush()`, after the run returns), when its checkpoint exists; reports therefore trail
+    the run by one interval. `close()` reports nothing: a failed run must not report a last row.
+
+    Every report carries: mean_return (of the episodes completed in the interval; the previous value
+    where none completed), env_steps, frames_per_s (env frames per second), steps_per_s, the program's
+    other scalars, restores (how often this trial was restored) and restored_env_steps (the env steps
+    of the last restored checkpoint, 0 if none).
+
+    Args:
+      run_dir: the trial's podray run directory.
+      trial_id: the Tune trial id (recorded in checkpoints, so an exploiting trial knows its source).
+      report: the reporting function, tune.report by default.
+    """
+
+    def __init__(self, run_dir: str | pathlib.Path, trial_id: str, report: Callable | None = None):
+        self.run_dir = pathlib.Path(run_dir)
+        self.trial_id = trial_id
+        self._report = report
+        self._pending: tuple[int, dict] | None = None
+        self._last_return = math.nan
+        restores = read_restores(self.run_dir)
+        self._restores = len(restores)
+        self._restored_env_steps = int(restores[-1]["env_steps"] or 0) if restores else 0
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self._pending is not None:
+            self._send(*self._pending)
+        self._pending = (int(step), dict(metrics))
+
+    def flush(self) -> None:
+        """Reports the held-back row (call after the run returned)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._send(*pending)
+
+    def close(self) -> None:
+        pass
+
+    def _send(self, step: int, metrics: dict) -> None:
+        row = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
+        ret = row.get("mean_return", math.nan)
+        if isinstance(ret, float) and not math.isnan(ret):
+            self._last_return = ret
+        row["mean_return"] = self._last_return
+        row["env_steps"] = int(row.get("env_steps", 0))
+        row["updates"] = int(row.get("updates", step))
+        row.setdefault("frames_per_s", row.get("steps_per_s", 0.0))
+        row["restores"] = self._restores
+        row["restored_env_steps"] = self._restored_env_steps
+        report = self._report
+        if report is None:
+            from ray import tune
+
+            report = tune.report
+        stage = None
+        try:
+            if step in orbax_steps(self.run_dir / "checkpoints"):
+                info = {"trial_id": self.trial_id, "updates": step, "env_steps": row["env_steps"]}
+                stage = stage_checkpoint(self.run_dir, step, info, self.run_dir / "tune_stage")
+                from ray import tune
+
+                report(row, checkpoint=tune.Checkpoint.from_directory(str(stage)))
+            else:
+                report(row)
+        finally:
+            if stage is not None:  # Tune has copied it to the study's storage by now
+                shutil.rmtree(stage, ignore_errors=True)

@@ -1,0 +1,90 @@
+"""Host environments (envpool): specs, the reset step, real game scores, and time-consistent
+trajectories from actor threads in sync and async mode."""
+
+import jax
+import numpy as np
+import pytest
+
+from podray import config as config_lib
+from podray.envs import host_envs
+from podray.host import HostContext
+from podray.sebulba import SebulbaProgram
+
+
+def test_specs_of_atari_and_classic_control():
+    pong, channels_first = host_envs.env_spec("Pong-v5")
+    assert channels_first and pong.obs_shape == (84, 84, 4) and pong.obs_dtype == "uint8" and pong.num_actions == 6
+    cartpole, channels_first = host_envs.env_spec("CartPole-v1")
+    assert not channels_first and cartpole.obs_shape == (4,) and cartpole.num_actions == 2
+    assert host_envs.env_spec("Acrobot-v1")[0].num_actions == 3
+
+
+def test_unknown_and_continuous_tasks_are_rejected():
+    with pytest.raises(config_lib.ConfigError, match="not an envpool task"):
+        host_envs.check_name("Pong-v99")
+    with pytest.raises(config_lib.ConfigError, match="continuous actions"):
+        host_envs.check_name("Pendulum-v1")
+
+
+def test_breakout_reports_whole_games_with_the_real_score():
+    """Episodic life: 5 training episodes (one per life) but one game, scored unclipped."""
+    env = host_envs.HostEnv("Breakout-v5", 1, seed=3, options=host_envs.HostEnvOptions(noop_max=1))
+    try:
+        obs, _ = env.reset()
+        assert obs.shape == (1, 4, 84, 84)
+        rng = np.random.default_rng(0)
+        life_ends, clipped, steps = 0, 0.0, []
+        for _ in range(5000):
+            step = env.step(rng.integers(0, 4, 1))
+            steps.append(step)
+            clipped += float(step.reward[0])
+            if step.episode_done[0]:
+                break
+        assert step.episode_done[0], "a random Breakout game should end within 5000 steps"
+        for prev, cur in zip(steps, steps[1:]):
+            if prev.discount[0] == 0.0 and not prev.episode_done[0]:
+                life_ends += 1 if cur.reward[0] == 0.0 and cur.discount[0] == 0.0 else 0
+        assert life_ends == 4  # the 4 lives lost before the last, each followed by envpool's reset step
+        assert np.all(np.abs([s.reward[0] for s in steps]) <= 1.0)  # training rewards are clipped
+        assert step.episode_return[0] >= clipped  # the real score (bricks are worth 1 to 7 points)
+        assert sum(int(s.episode_done[0]) for s in steps) == 1
+    finally:
+        env.close()
+
+
+def _host():
+    devices = tuple(jax.local_devices()[:4])
+    return HostContext(0, 1, devices, devices)
+
+
+@pytest.mark.parametrize("envs_per_actor_thread", [0, 32])  # sync, async (32 envs, batches of 16)
+def test_actor_rows_are_consistent_in_time(envs_per_actor_thread):
+    """CartPole's Euler step x' = x + 0.02 x_dot holds along every row of a trajectory where no episode
+    boundary intervenes: each row is one environment, in time order."""
+    config = config_lib.load(
+        "sebulba_cartpole",
+        [
+            "run.cpu_devices=0",
+            f"sebulba.envs_per_actor_thread={envs_per_actor_thread}",
+            "sebulba.threads_per_actor_device=1",
+            "sebulba.learner_devices=[1, 2]",
+        ],
+    )
+    program = SebulbaProgram(config, _host())
+    state = program.learner.initial_state(0)
+    program.start(state.train.params, 0)
+    try:
+        rollouts = [r for _ in range(3) for r in program.gather(0)]
+    finally:
+        program.stop()
+    for rollout in rollouts:
+        traj = jax.device_get(rollout.trajectory)
+        T = config.sebulba.rollout_length
+        assert traj.obs.shape == (T + 1, 16, 4) and traj.action.shape == (T, 16)
+        x, x_dot = traj.obs[:-1, :, 0], traj.obs[:-1, :, 1]
+        within = traj.discount == 1.0
+        assert within.mean() > 0.8
+        np.testing.assert_allclose(traj.obs[1:, :, 0][within], (x + 0.02 * x_dot)[within], atol=1e-5)
+        # and the behaviour outputs belong to the action taken
+        assert np.all((traj.action >= 0) & (traj.action < 2))
+        assert np.isfinite(traj.actor_out.logits).all()

@@ -1,0 +1,347 @@
+"""podray tune: studies are checked before Ray starts a trial; a grid completes and ranks its trials;
+PBT exploits through checkpoints and the exploiting trial carries on from the restored step count; an
+interrupted study resumes with Tuner.restore and finishes."""
+
+import csv
+import json
+import os
+import pathlib
+import signal
+
+import pytest
+import yaml
+from ray import tune
+
+from podray import cli
+from podray import config as config_lib
+from podray.config import ConfigError
+from podray.tuning import load_study, parse, resume_study, run_study, trainable
+from podray.tuning import study as study_lib
+
+# A trial of a few seconds: a small network, one epoch of one minibatch, 256 env steps per report.
+TINY = {
+    "total_env_steps": 2048,
+    "env.envs_per_device": 4,
+    "anakin.rollout_length": 16,
+    "anakin.updates_per_call": 4,
+    "agent.epochs": 1,
+    "agent.num_minibatches": 1,
+    "network.width": 16,
+    "run.tensorboard": False,
+}
+STEPS_PER_REPORT = 4 * 16 * 4
+DEPTHS = {"choice": [1, 2]}
+
+
+def _write_study(tmp_path: pathlib.Path, name: str = "study", **keys) -> pathlib.Path:
+    data = {"name": name, "base": "anakin_cartpole", "overrides": dict(TINY), **keys}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _tune_results(study_dir: pathlib.Path, trial_id: str) -> list[dict]:
+    """Every result Tune recorded for a trial (its result.json), in order."""
+    (trial_dir,) = [p for p in study_dir.iterdir() if p.is_dir() and trial_id in p.name]
+    return [json.loads(line) for line in (trial_dir / "result.json").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole test session (ray.init takes seconds); 2 logical CPUs."""
+    import ray
+
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+# --------------------------------------------------------------------------------------------------
+# Rejected before Ray: no Ray call, no trial
+
+
+@pytest.mark.parametrize(
+    "keys, field",
+    [
+        ({"search": {"network.depht": {"grid": [1, 2]}}}, "search.network.depht"),
+        ({"search": {"bogus.depth": {"grid": [1, 2]}}}, "search.bogus.depth"),
+        ({"search": {"network": {"grid": [1, 2]}}}, "search.network"),
+        ({"search": {"network.depth": {"normal": [1, 2]}}}, "search.network.depth"),
+        ({"search": {"network.depth": [1, 2]}}, "search.network.depth"),
+        ({"search": {"network.depth": {"grid": []}}}, "search.network.depth"),
+        ({"search": {"network.depth": {"uniform": [1, 4]}}}, "search.network.depth"),  # int field
+        ({"search": {"agent.learning_rate": {"uniform": [1e-3, 1e-4]}}}, "search.agent.learning_rate"),
+        ({"search": {"agent.learning_rate": {"loguniform": [0.0, 1e-3]}}}, "search.agent.learning_rate"),
+        ({"search": {"agent.learning_rate": {"randint": [1, 4]}}}, "search.agent.learning_rate"),
+        ({"search": {"network.depth": {"grid": [0, 2]}}}, "network.depth"),  # value fails validation
+        ({"search": {"agent.discount": {"uniform": [0.9, 1.1]}}}, "agent.discount"),  # range end fails
+        (
+            {"search": {"env.envs_per_device": {"grid": [4, 3]}, "agent.num_minibatches": {"grid": [1, 5]}}},
+            "agent.num_minibatches",  # 3 envs x 16 steps do not split into 5 minibatches
+        ),
+        ({"search": {"run.cpu_devices": {"grid": [1, 2]}}}, "search.run.cpu_devices"),
+        ({"metric": "reward"}, "metric"),
+        ({"mode": "maximum"}, "mode"),
+        ({"scheduler": {"name": "hyperband"}}, "scheduler.name"),
+        ({"scheduler": {"name": "asha", "grace_period": 10**9}}, "scheduler.grace_period"),
+        ({"scheduler": {"name": "asha", "reduction_factor": 1}}, "scheduler.reduction_factor"),
+        ({"scheduler": {"name": "pbt", "perturbation_interval": 512}}, "scheduler.mutations"),
+        (
+            {"scheduler": {"name": "pbt", "perturbation_interval": 512, "mutations": {"network.depth": DEPTHS}}},
+            "scheduler.mutations.network.depth",  # would change shapes: a checkpoint would not fit
+        ),
+        (
+            {
+                "scheduler": {
+                    "name": "pbt",
+                    "perturbation_interval": 512,
+                    "mutations": {"agent.learning_rate": {"grid": [1e-3, 2e-3]}},
+                }
+            },
+            "scheduler.mutations.agent.learning_rate",
+        ),
+        ({"resources": {"cpus": 0}}, "resources.cpus"),
+        ({"resources": {"accelerator": "fpga"}}, "resources.accelerator"),
+        ({"resources": {"hosts": 2}}, "resources.hosts"),
+        ({"resources": {"devices": 3}, "overrides": {**TINY, "env.num_envs": 4}}, "env.num_envs"),
+        ({"samples": 0}, "samples"),
+        ({"base": "no_such_preset"}, "base"),
+        ({"overrides": {"network.depht": 2}}, "overrides.network.depht"),
+        ({"serach": {}}, "serach"),
+    ],
+)
+def test_bad_study_is_rejected_before_ray(tmp_path, monkeypatch, capsys, keys, field):
+    def ray_must_not_start(*args, **kwargs):
+        raise AssertionError("the study reached Ray")
+
+    monkeypatch.setattr(study_lib, "connect", ray_must_not_start)
+    path = _write_study(tmp_path, **keys)
+    with pytest.raises(ConfigError) as info:
+        load_study(path)
+    assert str(info.value).startswith(field), info.value
+    # The command line says the same in one line, exit status 2, and creates no study directory.
+    assert cli.main(["tune", str(path), "--storage", str(tmp_path / "storage")]) == 2
+    assert capsys.readouterr().err.startswith(f"podray: error: {field}")
+    assert not (tmp_path / "storage").exists()
+
+
+def test_impossible_resources_are_rejected_before_trials(tmp_path, ray_session):
+    for resources, field in [({"cpus": 64}, "resources.cpus"), ({"accelerator": "gpu"}, "resources.devices")]:
+        spec = load_study(_write_study(tmp_path, resources=resources))
+        with pytest.raises(ConfigError, match=f"^{field}: a trial needs"):
+            run_study(spec, storage=tmp_path / "storage", name="impossible", verbose=0)
+        assert not (tmp_path / "storage" / "impossible").exists()
+
+
+@pytest.mark.parametrize("path", sorted(pathlib.Path("tune_configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_studies_validate(path):
+    base = yaml.safe_load(path.read_text())["base"]
+    if base not in config_lib.preset_names():
+        pytest.skip(f"base preset {base} is not in configs/ yet (Sebulba lands in another branch)")
+    spec = load_study(path)
+    assert spec.search and spec.metric == "mean_return"
+
+
+def test_cli_set_overrides_the_base_of_every_trial(tmp_path):
+    spec = load_study(_write_study(tmp_path), ["agent.learning_rate=1e-3"])
+    assert spec.base_config["agent"]["learning_rate"] == pytest.approx(1e-3)
+    with pytest.raises(ConfigError, match="^agent.learning_rate"):
+        load_study(_write_study(tmp_path), ["agent.learning_rate=-1"])
+
+
+def test_schedulers_count_time_in_env_steps(tmp_path):
+    asha = load_study(_write_study(tmp_path, scheduler={"name": "asha", "grace_period": 512}))
+    scheduler = study_lib.make_scheduler(asha)
+    assert scheduler._time_attr == "env_steps" and scheduler._max_t == 2048
+    assert [milestone for milestone, _ in scheduler._brackets[0]._rungs] == [2048, 1024, 512]  # ASHA's rungs
+    rates = {"loguniform": [1e-4, 1e-3]}
+    pbt = load_study(
+        _write_study(
+            tmp_path,
+            search={"network.depth": {"grid": [1, 2]}},
+            scheduler={"name": "pbt", "perturbation_interval": 512, "mutations": {"agent.learning_rate": rates}},
+        )
+    )
+    scheduler = study_lib.make_scheduler(pbt)
+    assert scheduler._time_attr == "env_steps" and scheduler._perturbation_interval == 512
+    space = study_lib.param_space(pbt)  # the mutated field gets an initial distribution too
+    assert set(space) == {"network.depth", "agent.learning_rate"}
+    explore = scheduler._custom_explore_fn
+    assert explore({"agent.learning_rate": 5e-3, "network.depth": 2}) == {
+        "agent.learning_rate": 1e-3,
+        "network.depth": 2,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# The reporting sink and checkpoint restores (no Ray trial)
+
+
+def test_sink_reports_each_row_with_the_checkpoint_of_its_step(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "8" / "state").mkdir(parents=True)
+    (run_dir / "checkpoints" / "8" / "state" / "data").write_text("x")
+    (run_dir / "config.yaml").write_text(config_lib.dump_yaml(config_lib.Config()))
+    reports = []
+
+    def report(metrics, checkpoint=None):
+        files = None
+        if checkpoint is not None:
+            root = pathlib.Path(checkpoint.path)
+            files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+            files.append(json.loads((root / "checkpoint.json").read_text()))
+        reports.append((dict(metrics), files))
+
+    sink = trainable.TuneReportSink(run_dir, "t1", report=report)
+    sink.write(4, {"mean_return": 10.0, "env_steps": 100, "steps_per_s": 5.0})
+    assert reports == []  # held back until its checkpoint would exist
+    sink.write(8, {"mean_return": float("nan"), "env_steps": 200, "steps_per_s": 6.0})
+    sink.close()  # a closing (possibly failed) run reports nothing
+    assert len(reports) == 1 and reports[0][1] is None  # step 4 has no checkpoint
+    sink.flush()
+    (first, _), (second, files) = reports
+    assert first["mean_return"] == 10.0 and first["frames_per_s"] == 5.0 and first["restores"] == 0
+    assert second["mean_return"] == 10.0  # no episode finished: the previous return is carried
+    assert second["env_steps"] == 200
+    assert files[:-1] == ["checkpoint.json", "checkpoints/8/state/data", "config.yaml"]
+    assert files[-1] == {"trial_id": "t1", "updates": 8, "env_steps": 200}
+    assert not (run_dir / "tune_stage").exists()
+
+
+def test_restore_rejects_a_checkpoint_whose_shapes_do_not_fit(tmp_path):
+    source = tmp_path / "ckpt"
+    (source / "checkpoints" / "8").mkdir(parents=True)
+    (source / "config.yaml").write_text(config_lib.dump_yaml(config_lib.Config()))
+    (source / "checkpoint.json").write_text(json.dumps({"trial_id": "a", "updates": 8, "env_steps": 200}))
+    config = config_lib.from_dict({"agent": {"learning_rate": 1e-3}})
+    record = trainable.restore_run_dir(source, tmp_path / "run", config)
+    assert record["changes"] == {"agent.learning_rate": [2.5e-4, 1e-3]} and record["env_steps"] == 200
+    assert trainable.orbax_steps(tmp_path / "run" / "checkpoints") == [8]
+    with pytest.raises(ConfigError, match="^network.depth: the checkpoint of trial a does not fit"):
+        trainable.restore_run_dir(source, tmp_path / "run", config_lib.from_dict({"network": {"depth": 3}}))
+
+
+# --------------------------------------------------------------------------------------------------
+# Studies on Ray
+
+
+def test_grid_of_four_trials_completes_and_ranks_the_best_first(tmp_path, ray_session, capsys):
+    path = _write_study(
+        tmp_path,
+        name="grid",
+        search={"env.envs_per_device": {"grid": [4, 8]}, "network.depth": {"grid": [1, 2]}},
+        concurrency=2,
+    )
+    code = cli.main(["tune", str(path), "--storage", str(tmp_path / "storage"), "--name", "grid"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    study_dir = tmp_path / "storage" / "grid"
+    summary = json.loads((study_dir / "trials.json").read_text())
+    rows = summary["trials"]
+    assert len(rows) == 4 and {r["status"] for r in rows} == {"TERMINATED"}
+    assert {(r["env.envs_per_device"], r["network.depth"]) for r in rows} == {(4, 1), (4, 2), (8, 1), (8, 2)}
+    returns = [r["mean_return"] for r in rows]
+    assert returns == sorted(returns, reverse=True) and returns[0] > 0
+    assert summary["best"] == rows[0]
+    # The table printed starts with the best trial; the best line names its config and metrics.
+    table = out[out.index("rank") :].splitlines()
+    assert rows[0]["trial"] in table[1] and f"best trial {rows[0]['trial']}" in out
+    for row in rows:  # every compiled call reported once, and the run went its whole length
+        assert row["env_steps"] == 2048
+        assert row["iterations"] == 2048 // (row["env.envs_per_device"] * 16 * 4)
+        assert (pathlib.Path(row["run_dir"]) / "summary.json").exists()
+    with (study_dir / "trials.csv").open() as f:
+        assert [r["trial"] for r in csv.DictReader(f)] == [r["trial"] for r in rows]
+    for png in ("return_vs_env_steps.png", "best_return_vs_batch_depth.png"):
+        assert (study_dir / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_pbt_exploits_and_the_exploiting_trial_continues_from_the_restored_steps(tmp_path, ray_session):
+    rates = {"loguniform": [1e-4, 3e-2]}
+    path = _write_study(
+        tmp_path,
+        name="pbt",
+        search={"agent.learning_rate": rates},
+        scheduler={
+            "name": "pbt",
+            "perturbation_interval": 5 * STEPS_PER_REPORT,  # one perturbation, at 1280 of 2048 steps
+            "quantile_fraction": 0.5,
+            "resample_probability": 0.0,
+            "synch": True,  # both trials meet at each perturbation: an exploit is certain
+            "mutations": {"agent.learning_rate": rates},
+        },
+        samples=2,
+        concurrency=2,
+    )
+    result = run_study(load_study(path), storage=tmp_path / "storage", name="pbt", verbose=0)
+    rows = result.outputs.rows
+    assert result.unfinished == 0 and {r["status"] for r in rows} == {"TERMINATED"}
+    exploits = 0
+    for row in rows:
+        restores = trainable.read_restores(row["run_dir"])
+        history = _tune_results(result.study_dir, row["trial"])
+        for count, record in enumerate(restores, start=1):
+            if record["from_trial"] != row["trial"]:  # an exploit: another trial's checkpoint
+                exploits += 1
+                assert set(record["changes"]) <= {"agent.learning_rate"}  # shape-free only
+            else:  # synch PBT pauses the trials that wait; they resume from their own checkpoint
+                assert record["changes"] == {}
+            restored = record["env_steps"]
+            assert restored > 0 and restored % STEPS_PER_REPORT == 0
+            first_after = next(h for h in history if h["restores"] == count)
+            assert first_after["restored_env_steps"] == restored
+            assert first_after["env_steps"] == restored + STEPS_PER_REPORT  # the step count carried on
+        assert history[-1]["env_steps"] == 2048
+        rate = history[-1]["config"]["agent.learning_rate"]
+        assert 1e-4 <= rate <= 3e-2  # perturbations clipped to the range
+        ran = config_lib.load_yaml(str(pathlib.Path(row["run_dir"]) / "config.yaml"))
+        assert ran["agent"]["learning_rate"] == pytest.approx(rate)  # the program ran the mutated rate
+    assert exploits >= 1, rows
+
+
+class _InterruptOnce(tune.Callback):
+    """A Tune callback that interrupts the study (as Ctrl+C does) after `after` results, once: the
+    marker file keeps the restored study (which unpickles this callback) from interrupting again."""
+
+    def __init__(self, marker: pathlib.Path, after: int):
+        self.marker, self.after, self.seen = marker, after, 0
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        self.seen += 1
+        if self.seen >= self.after and not self.marker.exists():
+            self.marker.touch()
+            os.kill(os.getpid(), signal.SIGUSR1)  # Tune's SIGINT handler also handles SIGUSR1
+
+
+def test_interrupted_study_resumes_and_finishes(tmp_path, ray_session):
+    path = _write_study(tmp_path, name="resume", search={"network.depth": {"grid": [1, 2]}}, concurrency=2)
+    spec = load_study(path)
+    marker = tmp_path / "interrupted"
+    first = run_study(
+        spec, storage=tmp_path / "storage", name="resume", callbacks=[_InterruptOnce(marker, after=3)], verbose=0
+    )
+    assert marker.exists() and first.unfinished >= 1
+    done_before = {r["trial"]: r["env_steps"] for r in first.outputs.rows}
+    assert min(done_before.values()) < 2048
+
+    second = resume_study(first.study_dir)
+    rows = second.outputs.rows
+    assert second.unfinished == 0 and len(rows) == 2 and {r["status"] for r in rows} == {"TERMINATED"}
+    assert all(r["env_steps"] == 2048 for r in rows)
+    resumed = [r for r in rows if r["restores"] >= 1]
+    assert resumed, rows
+    for row in resumed:
+        (record,) = trainable.read_restores(row["run_dir"])
+        assert record["from_trial"] == row["trial"] and record["changes"] == {}
+        history = _tune_results(second.study_dir, row["trial"])
+        first_after = next(h for h in history if h["restores"] == 1)
+        assert first_after["env_steps"] == record["env_steps"] + STEPS_PER_REPORT
+
+
+def test_resume_needs_a_study_directory(tmp_path):
+    with pytest.raises(ConfigError, match="^--resume"):
+        resume_study(tmp_path)
+    assert parse.from_dict(yaml.safe_load(_write_study(tmp_path).read_text())).name == "study"
