@@ -242,8 +242,16 @@ def test_cli_starts_and_stops_its_own_local_ray(tmp_path):
         ("run.max_restarts=-1", "run.max_restarts"),
         ("run.seeds=[1,1]", "run.seeds"),
         ("run.tpu_topology=2x2x2", "run.tpu_topology"),
+        ("run.tpu_version=v9", "run.tpu_topology"),
+        ("run.tpu_topology=2x2x2 run.tpu_version=v9", "run.tpu_version"),
+        ("run.tpu_topology=3x7 run.tpu_version=v4", "run.tpu_topology"),
     ],
 )
 def test_bad_cluster_fields_are_named(override, field):
     with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
-        config_lib.load(None, [override])
+        config_lib.load(None, override.split())
+
+
+def test_sebulba_is_single_host_for_now():
+    with pytest.raises(config_lib.ConfigError, match=r"run\.hosts: Sebulba runs on one host"):
+        config_lib.load("sebulba_cartpole", ["run.hosts=2"])
