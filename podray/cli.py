@@ -26,7 +26,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.preset or args.set:
             raise config_lib.ConfigError("--resume continues a run with its own config; drop the preset and --set")
-        config = load_run_config(args.resume)
+        config = load_run_config(args.resume, check=False)
         run_dir = args.resume
     else:
         config = config_lib.load(args.preset, args.set, check=False)
@@ -54,7 +54,7 @@ def _train(args: argparse.Namespace) -> int:
 
         _print_summary(train(config, run_dir=run_dir, resume=bool(args.resume)).to_dict())
         return 0
-    # The Ray layer: host workers start JAX; this process never does.
+    # The Ray layer: host workers start JAX on the devices; this process only a CPU JAX (validation).
     from podray.cluster import train_on_ray
 
     results = train_on_ray(

@@ -414,6 +414,12 @@ def validate(config: Config) -> None:
     if r.cpu_devices < 0:
         raise ConfigError(f"run.cpu_devices: must be >= 0, got {r.cpu_devices}")
     _positive("run.hosts", r.hosts)
+    if config.architecture == "sebulba" and (r.hosts > 1 or r.tpu_topology):
+        raise ConfigError(
+            "run.hosts: Sebulba runs on one host for now (its learner mesh spans this host's learner "
+            "devices only); use run.hosts=1 without run.tpu_topology, or architecture=anakin, or run.seeds "
+            "for replicas"
+        )
     if r.max_restarts < 0:
         raise ConfigError(f"run.max_restarts: must be >= 0 (0 means fail on the first lost host), got {r.max_restarts}")
     if len(set(r.seeds)) != len(r.seeds):

@@ -22,15 +22,16 @@ def default_run_dir(config: config_lib.Config) -> pathlib.Path:
     return pathlib.Path("runs") / f"{config.name}-{stamp}"
 
 
-def load_run_config(run_dir: str | pathlib.Path) -> config_lib.Config:
-    """The config a run directory was started with (for --resume)."""
+def load_run_config(run_dir: str | pathlib.Path, check: bool = True) -> config_lib.Config:
+    """The config a run directory was started with (for --resume); validated unless `check` is False."""
     path = pathlib.Path(run_dir) / "config.yaml"
     if not path.exists():
         raise config_lib.ConfigError(
             f"--resume {run_dir}: no config.yaml there; give the directory of an earlier podray run"
         )
     config = config_lib.from_dict(config_lib.load_yaml(str(path)))
-    config_lib.validate(config)
+    if check:
+        config_lib.validate(config)
     return config
 
 

@@ -182,6 +182,7 @@ def test_replicas_report_separately_through_ray_metrics_export(ray_cluster, tmp_
     assert sorted(seen) == ["3", "4"], f"custom metric not exported on http://127.0.0.1:{port}/metrics: {seen}"
     assert all('host="0"' in line for line in seen.values())
     assert [pathlib.Path(r["run_dir"]).name for r in results] == ["seed-3", "seed-4"]
+    assert config_lib.from_dict(config_lib.load_yaml(str(tmp_path / "config.yaml"))).run.seeds == [3, 4]
     returns = [[row["mean_return"] for row in read_jsonl(tmp_path / f"seed-{s}" / "metrics.jsonl")] for s in (3, 4)]
     assert returns[0] != returns[1]  # independent seeds
 
@@ -241,8 +242,16 @@ def test_cli_starts_and_stops_its_own_local_ray(tmp_path):
         ("run.max_restarts=-1", "run.max_restarts"),
         ("run.seeds=[1,1]", "run.seeds"),
         ("run.tpu_topology=2x2x2", "run.tpu_topology"),
+        ("run.tpu_version=v9", "run.tpu_topology"),
+        ("run.tpu_topology=2x2x2 run.tpu_version=v9", "run.tpu_version"),
+        ("run.tpu_topology=3x7 run.tpu_version=v4", "run.tpu_topology"),
     ],
 )
 def test_bad_cluster_fields_are_named(override, field):
     with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
-        config_lib.load(None, [override])
+        config_lib.load(None, override.split())
+
+
+def test_sebulba_is_single_host_for_now():
+    with pytest.raises(config_lib.ConfigError, match=r"run\.hosts: Sebulba runs on one host"):
+        config_lib.load("sebulba_cartpole", ["run.hosts=2"])

@@ -373,6 +373,9 @@ def train_on_ray(
         c = copy.deepcopy(config)
         c.seed, c.run.seeds = seed, []
         replicas.append((c, base / f"seed-{seed}" if seeds else base, {"run": config.name, "replica": str(seed)}))
+    if seeds:  # `podray train --resume BASE` then resumes every replica
+        base.mkdir(parents=True, exist_ok=True)
+        (base / "config.yaml").write_text(config_lib.dump_yaml(config))
     hosts_needed = len(replicas) * (1 if config.run.tpu_topology else config.run.hosts)
     connection = connect(address, dashboard=dashboard, num_cpus=max(os.cpu_count() or 1, hosts_needed))
     try:
