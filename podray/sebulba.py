@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import queue as queue_lib
+import sys
 import threading
 import time
 from typing import Any, Sequence
@@ -353,8 +354,13 @@ def run_program(
                     }
                     checkpointer.save(version, state, meta)
         jax.block_until_ready(state)
-    finally:
-        program.stop()
+    except BaseException:
+        try:
+            program.stop()
+        except RuntimeError as stop_error:  # keep the run's own error; say what else went wrong
+            print(f"podray: while stopping after an error: {stop_error}", file=sys.stderr)
+        raise
+    program.stop()
     end = time.perf_counter()
     wall = elapsed_before + end - start
     env_steps = program.num_updates * program.steps_per_update

@@ -175,7 +175,7 @@ class ActorThread(threading.Thread):
     def _loop(self, env: HostEnv) -> None:
         T, B, N = self._T, self._B, env.num_envs
         spec = env.spec
-        obs_shape = env._env.observation_space.shape  # envpool's layout (the policy moves channels)
+        obs_shape = env.raw_obs_shape  # envpool's layout (the policy moves channels)
         new_buffers = lambda: _Buffers(T, N, obs_shape, spec.obs_dtype, spec.num_actions)  # noqa: E731
         buf = new_buffers()
         t = np.zeros(N, np.int64)  # write index of each environment in the current rows

@@ -294,3 +294,28 @@ def main(
         path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
         plot(rows, path.with_suffix(".png"))
     return rows
+
+
+def plot_learning_curve(metrics_jsonl: str | pathlib.Path, path: str | pathlib.Path) -> None:
+    """Mean unclipped game score against frames, from a Sebulba run's metrics.jsonl.
+
+    python -c "from podray.bench import sebulba_bench as b; b.plot_learning_curve('RUN/metrics.jsonl', 'curve.png')"
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from podray.metrics import read_jsonl
+
+    rows = [r for r in read_jsonl(metrics_jsonl) if r.get("mean_return") is not None]
+    frame_skip = 4
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["env_steps"] * frame_skip / 1e6 for r in rows], [r["mean_return"] for r in rows], "o-", ms=3)
+    ax.set_xlabel("frames (millions)")
+    ax.set_ylabel("mean episode return (unclipped)")
+    ax.set_title("Sebulba IMPALA on Pong-v5 (2 CPU cores, shared)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

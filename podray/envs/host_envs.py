@@ -170,6 +170,8 @@ class HostEnv:
         # envpool's Atari frames are [stack, 84, 84]; the networks want channels last. The move happens
         # on the device, inside the compiled act and update (see to_channels_last), never on the host.
         self.channels_first = self.atari
+        self.raw_obs_shape = shape
+        """Observation shape as envpool returns it ([stack, 84, 84] for Atari)."""
         agent_shape = (*shape[1:], shape[0]) if self.channels_first else shape
         self.spec = EnvSpec(
             name=name, obs_shape=agent_shape, obs_dtype=str(np.dtype(obs_space.dtype)), num_actions=int(act_space.n)
