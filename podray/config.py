@@ -328,12 +328,18 @@ def parse_override(text: str) -> dict[str, Any]:
             value = int(value) if value.lstrip("+-").isdigit() else float(value)
         except ValueError:
             pass
+    return nest({key: value})
+
+
+def nest(dotted: dict[str, Any]) -> dict[str, Any]:
+    """{'network.depth': 2} -> {'network': {'depth': 2}}."""
     out: dict[str, Any] = {}
-    node = out
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
+    for key, value in dotted.items():
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
     return out
 
 

@@ -25,7 +25,6 @@ from podray.tuning.spec import (
     StudySpec,
     check_trials,
     field_type,
-    nest,
 )
 
 _TOP_KEYS = (
@@ -260,7 +259,7 @@ def from_dict(data: Any, overrides: typing.Sequence[str] = (), source: str = "")
             raise ConfigError(f"overrides: expected a mapping of config field -> value, got {fixed!r}")
         for dotted in fixed:
             field_type("overrides", dotted)
-        base_data = config_lib._merge(base_data, nest(fixed))
+        base_data = config_lib._merge(base_data, config_lib.nest(fixed))
     for text in overrides:
         base_data = config_lib._merge(base_data, config_lib.parse_override(text))
     base_config = config_lib.from_dict(base_data)  # unknown keys of the base or --set are named here

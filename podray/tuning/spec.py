@@ -240,18 +240,6 @@ class StudySpec:
 # Trials: the one function that turns a sampled assignment into a Config (driver and trainable)
 
 
-def nest(dotted: dict[str, Any]) -> dict[str, Any]:
-    """{'network.depth': 2} -> {'network': {'depth': 2}}."""
-    out: dict[str, Any] = {}
-    for key, value in dotted.items():
-        node = out
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
-    return out
-
-
 def trial_config(
     base_config: dict, assignment: dict[str, Any], resources: Resources, checkpoint_every: int = 1
 ) -> config_lib.Config:
@@ -266,7 +254,7 @@ def trial_config(
       checkpoint_every: reports between checkpoints.
     """
     data = copy.deepcopy(base_config)
-    data = config_lib._merge(data, nest(assignment))
+    data = config_lib._merge(data, config_lib.nest(assignment))
     config = config_lib.from_dict(data)
     config.run.run_dir = ""
     config.run.devices = []
