@@ -117,17 +117,21 @@ class AnakinProgram:
         env_ids = _global_env_ids(self.envs_per_device)
         params = state.train.params
 
-        def env_step(carry, step_key):
+        def env_step(carry, keys):
             env_state, obs = carry
-            act_key, env_key = jax.random.split(step_key)
-            action, actor_out = self.agent.act(params, obs, _per_env_keys(act_key, env_ids))
-            env_state, ts = self.env.step(env_state, action, _per_env_keys(env_key, env_ids))
+            act_keys, env_keys = keys
+            action, actor_out = self.agent.act(params, obs, act_keys)
+            env_state, ts = self.env.step(env_state, action, env_keys)
             transition = (obs, action, ts.reward, ts.discount, actor_out, ts.episode_return, ts.done)
             return (env_state, ts.obs), transition
 
+        # Every key of the rollout in one vectorised computation, outside the sequential loop.
         T = self.config.anakin.rollout_length
+        step_keys = jax.random.split(rollout_key, 2 * T).reshape(2, T, -1)
+        per_env = jax.vmap(_per_env_keys, in_axes=(0, None))
+        keys = (per_env(step_keys[0], env_ids), per_env(step_keys[1], env_ids))  # [T, B, 2] each
         (env_state, obs), (obs_t, action, reward, discount, actor_out, ep_return, done) = jax.lax.scan(
-            env_step, (state.env, state.obs), jax.random.split(rollout_key, T)
+            env_step, (state.env, state.obs), keys
         )
         trajectory = Trajectory(
             obs=jnp.concatenate([obs_t, obs[None]], axis=0),
