@@ -1,7 +1,7 @@
 """The `podray` command: train, bench.
 
   podray train [PRESET_OR_YAML] [--set section.field=value ...] [--run-dir DIR] [--resume RUN_DIR]
-               [--address RAY_ADDRESS] [--dashboard] [--ray]
+               [--address RAY_ADDRESS] [--dashboard] [--in-process]
   podray bench anakin|sebulba|ray [--out FILE] [--quick]
   podray tune STUDY_YAML [--set section.field=value ...] [--storage DIR] [--name NAME] [--address ADDR]
   podray tune --resume STUDY_DIR
@@ -13,7 +13,6 @@ field and the fix, with exit status 2, before anything compiles.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -32,24 +31,30 @@ def _train(args: argparse.Namespace) -> int:
         config = config_lib.load(args.preset, args.set, check=False)
         run_dir = args.run_dir
     r = config.run
-    use_ray = (
-        args.ray
-        or args.address
-        or os.environ.get("RAY_ADDRESS")
-        or args.dashboard
-        or r.hosts > 1
-        or r.seeds
-        or r.tpu_topology
-    )
+    # Every run goes through the Ray layer (an embedded local Ray unless --address / RAY_ADDRESS),
+    # except with --in-process, which runs the same train() here for quick single-host runs.
+    use_ray = not args.in_process
+    if args.in_process:
+        clustered = {
+            "--address": args.address,
+            "--dashboard": args.dashboard,
+            "run.hosts": r.hosts > 1,
+            "run.seeds": r.seeds,
+            "run.tpu_topology": r.tpu_topology,
+        }
+        used = [name for name, value in clustered.items() if value]
+        if used:
+            raise config_lib.ConfigError(
+                f"--in-process runs one host without Ray; drop {', '.join(used)} or drop --in-process"
+            )
     if use_ray:
         from podray.cluster.driver import pin_driver_jax_to_cpu
 
         pin_driver_jax_to_cpu()
     config_lib.validate(config)
     if not use_ray:
-        # The fast path of a single host without a cluster: the same train() a host worker calls, in
-        # this process, without the ~7 s of starting and stopping a local Ray (docs/operations.md).
-        # JAX starts only now, after the whole config has been checked.
+        # The same train() a host worker calls, in this process, without the ~7 s of starting and
+        # stopping a local Ray (docs/operations.md). JAX starts only now, after the config is checked.
         from podray.training import train
 
         _print_summary(train(config, run_dir=run_dir, resume=bool(args.resume)).to_dict())
@@ -179,10 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="start the Ray dashboard (127.0.0.1) with the local Ray, print its URL, keep it up after the run",
     )
     t.add_argument(
-        "--ray",
+        "--in-process",
         action="store_true",
-        help="run a single host through Ray too (an embedded local Ray unless --address); without it, a "
-        "single-host run with no cluster runs in this process",
+        help="run a single host in this process, without starting Ray (quicker start-up, no dashboard)",
     )
     t.set_defaults(func=_train)
     b = sub.add_parser("bench", help="throughput benchmarks")

@@ -145,7 +145,8 @@ def test_replicas_share_a_device_and_differ():
 
 
 def test_default_cli_job_end_to_end(tmp_path):
-    """`podray train` with the default preset, shortened, writes the whole run directory."""
+    """`podray train` with the default preset (through an embedded Ray), shortened, writes the whole run
+    directory and leaves no Ray running."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -173,8 +174,11 @@ def test_default_cli_job_end_to_end(tmp_path):
     assert (run / "config.yaml").exists() and (run / "metrics.jsonl").exists()
     assert any((run / "tensorboard").iterdir())
     assert any((run / "checkpoints").iterdir())
-    # and --resume of a finished run is a no-op that reports the same steps
+    # and --resume of a finished run (here in-process, without Ray) is a no-op that reports the same steps
     proc = subprocess.run(
-        [sys.executable, "-m", "podray.cli", "train", "--resume", str(run)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "podray.cli", "train", "--in-process", "--resume", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr

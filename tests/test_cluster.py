@@ -199,14 +199,14 @@ def _processes_with(tag: str) -> list[int]:
 
 
 def test_cli_starts_and_stops_its_own_local_ray(tmp_path):
-    """`podray train --ray` without a cluster starts a local Ray and leaves no process behind (only the
+    """`podray train` without a cluster starts a local Ray and leaves no process behind (only the
     processes of this command are looked at: they carry a tag in their environment)."""
     tag = f"PODRAY_TEST_TAG={uuid.uuid4().hex}"
     # As from a user's shell: no cluster address, no fake-device flag of this test session.
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "XLA_FLAGS")}
     env[tag.split("=")[0]] = tag.split("=")[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "podray.cli", "train", "--ray", "--run-dir", str(tmp_path / "run")]
+        [sys.executable, "-m", "podray.cli", "train", "--run-dir", str(tmp_path / "run")]
         + ["--set", "total_env_steps=25600", "--set", "run.tensorboard=false"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

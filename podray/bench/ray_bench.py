@@ -2,8 +2,8 @@
 
 Two measurements, each run a fresh `podray train` process (the default CartPole job), so every run
 pays its own start-up as a user would:
-  - overhead: steady-state env steps/s of one host through an embedded Ray (`--ray`) against the same
-    job in-process, on the same fake CPU devices; `repeats` runs of each, alternated, medians compared.
+  - overhead: steady-state env steps/s of one host through an embedded Ray (the default) against the same
+    job in-process (`--in-process`), on the same fake CPU devices; `repeats` runs of each, alternated, medians compared.
     Steady state excludes start-up and compilation (Summary.steady_steps_per_s).
   - equivalence: final mean return of 2 host workers x 2 fake devices against 1 process x 4 devices,
     the same seed and global batch (the same 4-device mesh, split over 2 JAX processes).
@@ -37,8 +37,8 @@ def _run(mode: str, hosts: int, devices: int, extra: list[str], workdir: str) ->
     cmd = [sys.executable, "-m", "podray.cli", "train", "--run-dir", run_dir]
     cmd += ["--set", f"run.cpu_devices={devices}", "--set", f"run.hosts={hosts}"]
     cmd += ["--set", "run.tensorboard=false", "--set", "run.progress=false"] + extra
-    if mode == "ray":
-        cmd.append("--ray")
+    if mode == "in-process":
+        cmd.append("--in-process")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "XLA_FLAGS")}
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
