@@ -198,16 +198,21 @@ def run_study(
                 verbose=verbose,
             ),
         )
-        start = time.perf_counter()
-        grid = tuner.fit()
-        wall = time.perf_counter() - start
-        outputs = report_lib.write_outputs(study_dir, spec, grid, wall)
-        return StudyResult(study_dir, outputs, _unfinished(outputs), wall)
+        return _fit_and_report(tuner, study_dir, spec)
     finally:
         if started:
             import ray
 
             ray.shutdown()
+
+
+def _fit_and_report(tuner, study_dir: pathlib.Path, spec: spec_lib.StudySpec) -> StudyResult:
+    """Runs the study and writes its table, CSV/JSON and plots."""
+    start = time.perf_counter()
+    grid = tuner.fit()
+    wall = time.perf_counter() - start
+    outputs = report_lib.write_outputs(study_dir, spec, grid, wall)
+    return StudyResult(study_dir, outputs, _unfinished(outputs), wall)
 
 
 def load_study_dir(study_dir: str | pathlib.Path) -> spec_lib.StudySpec:
@@ -233,11 +238,7 @@ def resume_study(study_dir: str | pathlib.Path, address: str | None = None) -> S
         tuner = tune.Tuner.restore(
             str(study_dir), trainable=_trainable(spec, study_dir), resume_unfinished=True, resume_errored=True
         )
-        start = time.perf_counter()
-        grid = tuner.fit()
-        wall = time.perf_counter() - start
-        outputs = report_lib.write_outputs(study_dir, spec, grid, wall)
-        return StudyResult(study_dir, outputs, _unfinished(outputs), wall)
+        return _fit_and_report(tuner, study_dir, spec)
     finally:
         if started:
             import ray
