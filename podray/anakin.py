@@ -117,21 +117,25 @@ class AnakinProgram:
         env_ids = _global_env_ids(self.envs_per_device)
         params = state.train.params
 
-        def env_step(carry, keys):
+        def env_step(carry, randomness):
             env_state, obs = carry
-            act_keys, env_keys = keys
-            action, actor_out = self.agent.act(params, obs, act_keys)
-            env_state, ts = self.env.step(env_state, action, env_keys)
+            noise, step_keys, resets = randomness
+            action, actor_out = self.agent.act_with_noise(params, obs, noise)
+            env_state, ts = self.env.step_prepared(env_state, action, step_keys, resets)
             transition = (obs, action, ts.reward, ts.discount, actor_out, ts.episode_return, ts.done)
             return (env_state, ts.obs), transition
 
-        # Every key of the rollout in one vectorised computation, outside the sequential loop.
+        # All of the rollout's randomness (action noise, environment keys, fresh episodes for resets) in
+        # vectorised computations before the sequential loop: on CPU every random draw inside the loop
+        # would be a small rolled loop of its own. Keys come from global environment indices, so any
+        # device count draws the same numbers for the same environment.
         T = self.config.anakin.rollout_length
         step_keys = jax.random.split(rollout_key, 2 * T).reshape(2, T, -1)
         per_env = jax.vmap(_per_env_keys, in_axes=(0, None))
-        keys = (per_env(step_keys[0], env_ids), per_env(step_keys[1], env_ids))  # [T, B, 2] each
+        act_keys, env_keys = per_env(step_keys[0], env_ids), per_env(step_keys[1], env_ids)  # [T, B, 2]
+        randomness = (self.agent.action_noise(act_keys), *self.env.prepare(env_keys))
         (env_state, obs), (obs_t, action, reward, discount, actor_out, ep_return, done) = jax.lax.scan(
-            env_step, (state.env, state.obs), keys
+            env_step, (state.env, state.obs), randomness
         )
         trajectory = Trajectory(
             obs=jnp.concatenate([obs_t, obs[None]], axis=0),

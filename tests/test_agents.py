@@ -119,3 +119,56 @@ def test_separate_torsos_have_separate_parameters():
     obs = jnp.zeros((1, 4))
     n = lambda net: sum(x.size for x in jax.tree.leaves(net.init(jax.random.PRNGKey(0), obs)))
     assert n(split) > n(shared)
+
+
+def test_act_with_noise_is_categorical_sampling():
+    """act(key) is jax.random.categorical; Anakin's pre-drawn noise gives the same actions."""
+    agent = make_agent(AgentConfig(), NetworkConfig(), SPEC, num_updates=1)
+    params = agent.init(jax.random.PRNGKey(0)).params
+    obs = jax.random.normal(jax.random.PRNGKey(1), (64, 4))
+    keys = jax.random.split(jax.random.PRNGKey(2), 64)
+    action, out = agent.act(params, obs, keys)
+    expected = jax.vmap(jax.random.categorical)(keys, out.logits)
+    np.testing.assert_array_equal(np.asarray(action), np.asarray(expected))
+    again, _ = agent.act_with_noise(params, obs, agent.action_noise(keys))
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(action))
+    one, out1 = agent.act(params, obs, keys[0])
+    np.testing.assert_array_equal(np.asarray(one), np.asarray(jax.random.categorical(keys[0], out1.logits)))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 128, 8192, 100_000])
+def test_shuffle_is_a_permutation_that_depends_on_the_key(n):
+    from podray.agents.base import shuffle
+
+    perms = [np.asarray(jax.jit(shuffle, static_argnums=1)(jax.random.PRNGKey(k), n)) for k in range(3)]
+    for p in perms:
+        np.testing.assert_array_equal(np.sort(p), np.arange(n))
+    if n > 2:
+        assert not np.array_equal(perms[0], perms[1])
+
+
+def test_shuffle_positions_are_uniform():
+    """Where index i lands is uniform over positions: a chi-square check over many keys."""
+    from podray.agents.base import shuffle
+
+    n, draws = 16, 4000
+    perms = np.asarray(jax.jit(jax.vmap(lambda k: shuffle(k, n)))(jax.random.split(jax.random.PRNGKey(0), draws)))
+    counts = np.stack([(perms == i).sum(0) for i in range(n)])  # [index, position]
+    expected = draws / n
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    dof = (n - 1) ** 2
+    assert chi2 < dof + 5 * np.sqrt(2 * dof), chi2
+
+
+@pytest.mark.parametrize("shape", [(32, 4), (5, 7, 4)])
+def test_dense_gradient_matches_plain_dot(shape):
+    """networks._matmul's hand-written gradient (the CPU weight-gradient layout) is the exact gradient."""
+    from podray.agents.networks import _matmul
+
+    x = jax.random.normal(jax.random.PRNGKey(0), shape)
+    w = jax.random.normal(jax.random.PRNGKey(1), (4, 3))
+    f = lambda m: lambda x, w: jnp.sum(jnp.sin(m(x, w)))  # noqa: E731
+    got = jax.grad(f(_matmul), argnums=(0, 1))(x, w)
+    want = jax.grad(f(jnp.matmul), argnums=(0, 1))(x, w)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)

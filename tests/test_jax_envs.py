@@ -34,3 +34,31 @@ def test_image_env_spec():
     env = JaxEnv("Breakout-MinAtar")
     assert env.spec.obs_shape == (10, 10, 4)
     assert env.spec.num_actions == 3
+
+
+def test_prepared_step_equals_gymnax_auto_reset_step():
+    """Anakin draws a rollout's resets before its loop; the outcome must be gymnax's own step."""
+    import gymnax
+
+    for name in ("CartPole-v1", "Breakout-MinAtar"):
+        env = JaxEnv(name)
+        inner_env, params = gymnax.make(name)
+        B, T = 6, 60
+        state, obs = env.reset(jax.random.split(jax.random.PRNGKey(0), B))
+        keys = jax.random.split(jax.random.PRNGKey(1), T * B).reshape(T, B, 2)
+        step_keys, resets = jax.jit(env.prepare)(keys)  # the whole rollout at once
+        step = jax.jit(env.step_prepared)
+        gym_step = jax.jit(jax.vmap(inner_env.step, in_axes=(0, 0, 0, None)))
+        close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)  # noqa: E731
+        dones = 0
+        for t in range(T):
+            action = jax.random.randint(jax.random.PRNGKey(100 + t), (B,), 0, env.spec.num_actions)
+            # gymnax's step from the same state and key (XLA may fuse the two programs differently: ulps)
+            gym_obs, gym_state, reward, terminated, truncated, _ = gym_step(keys[t], state.inner, action, params)
+            state, ts = step(state, action, step_keys[t], jax.tree.map(lambda x, t=t: x[t], resets))
+            close(ts.obs, np.asarray(gym_obs).astype(env.spec.obs_dtype))
+            close(ts.reward, np.asarray(reward, np.float32))
+            np.testing.assert_array_equal(np.asarray(ts.done), np.asarray(terminated | truncated))
+            jax.tree.map(close, state.inner, gym_state)
+            dones += int(ts.done.sum())
+        assert dones > 0, name  # resets were exercised

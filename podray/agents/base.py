@@ -127,11 +127,28 @@ class Agent:
         Returns:
           (action [B] int32, ActorOut with logits [B, A] and value [B]).
         """
-        out = self.apply(params, obs)
         if key.ndim == 1:
-            action = jax.random.categorical(key, out.logits)
+            noise = jax.random.gumbel(key, (obs.shape[0], self.spec.num_actions))
         else:
-            action = jax.vmap(jax.random.categorical)(key, out.logits)
+            noise = self.action_noise(key)
+        return self.act_with_noise(params, obs, noise)
+
+    def action_noise(self, keys: chex.Array) -> chex.Array:
+        """Gumbel noise [..., A] for `act_with_noise`, one draw per key of `keys` [..., 2].
+
+        Drawing it for a whole rollout at once, outside the sequential loop, is what Anakin does: on
+        CPU each in-loop random draw is a small rolled loop of its own (threefry), a visible cost per step.
+        """
+        draw = lambda k: jax.random.gumbel(k, (self.spec.num_actions,))  # noqa: E731
+        for _ in range(keys.ndim - 1):
+            draw = jax.vmap(draw)
+        return draw(keys)
+
+    def act_with_noise(self, params: Any, obs: chex.Array, noise: chex.Array) -> tuple[chex.Array, ActorOut]:
+        """`act` with the randomness given: the Gumbel-max sample argmax(logits + noise), which is what
+        jax.random.categorical computes, so act(key) == act_with_noise(action_noise(key))."""
+        out = self.apply(params, obs)
+        action = jnp.argmax(out.logits + noise, axis=-1)
         return action.astype(jnp.int32), ActorOut(logits=out.logits, value=out.value)
 
     def _apply_gradients(self, state: TrainState, grads: Any, axis_name: AxisName) -> tuple[Any, Any]:
@@ -146,6 +163,28 @@ class Agent:
         self, state: TrainState, trajectory: Trajectory, key: chex.PRNGKey, axis_name: AxisName = None
     ) -> tuple[TrainState, dict[str, chex.Array]]:
         raise NotImplementedError
+
+
+def shuffle(key: chex.PRNGKey, n: int, rounds: int = 2) -> chex.Array:
+    """A random permutation of range(n), int32 [n], for minibatch shuffling.
+
+    jax.random.permutation sorts (key, value) pairs with a comparator, which XLA:CPU runs about 10x
+    slower than a sort of one uint32 array (2.9 ms against 0.29 ms for n = 8192 here: a third of a PPO
+    update at 64 CartPole envs). So each round packs the index into the low ceil(log2 n) bits and random
+    bits above it, and sorts that one array. Indices whose random bits tie keep their order within a
+    round; the next round, with fresh bits, breaks up those pairs (jax.random.permutation also uses
+    several rounds for the same reason).
+    """
+    index_bits = max(1, (n - 1).bit_length())
+    if index_bits > 24:
+        return jax.random.permutation(key, n)  # too few random bits left above the index
+    mask = jnp.uint32((1 << index_bits) - 1)
+    index = jnp.arange(n, dtype=jnp.uint32)
+    perm = None
+    for round_key in jax.random.split(key, rounds):
+        order = jnp.sort((jax.random.bits(round_key, (n,), jnp.uint32) << index_bits) | index) & mask
+        perm = order if perm is None else perm[order]
+    return perm.astype(jnp.int32)
 
 
 def log_prob(logits: chex.Array, action: chex.Array) -> chex.Array:

@@ -9,6 +9,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import chex
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -17,8 +18,43 @@ from podray.config import NetworkConfig
 _ACTIVATIONS: dict[str, Callable] = {"tanh": nn.tanh, "relu": nn.relu}
 
 
+@jax.custom_vjp
+def _matmul(x: chex.Array, w: chex.Array) -> chex.Array:
+    return jnp.matmul(x, w)
+
+
+def _matmul_fwd(x, w):
+    return jnp.matmul(x, w), (x, w)
+
+
+def _matmul_bwd(residuals, g):
+    x, w = residuals
+    # The weight gradient x^T g contracts the batch axis of both operands. XLA:CPU sends that form of
+    # dot to Eigen; with x^T materialised first (the barrier keeps XLA from folding the transpose back
+    # into the dot) it is a plain [in, N] x [N, out] matmul, which YNNPACK runs faster: a PPO update
+    # at 64 CartPole envs takes a quarter less time (docs/benchmarks.md).
+    x_t = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)
+    return jnp.matmul(g, w.T), jnp.matmul(x_t, g.reshape(-1, g.shape[-1]))
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def _dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """nn.Dense's contraction, with `_matmul`'s gradient on CPU; elsewhere lax.dot_general itself."""
+    standard = dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ()))
+    if jax.default_backend() == "cpu" and standard and precision is None and preferred_element_type is None:
+        return _matmul(lhs, rhs)
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+
+
 def _dense(features: int, scale: float = np.sqrt(2)) -> nn.Dense:
-    return nn.Dense(features, kernel_init=nn.initializers.orthogonal(scale), bias_init=nn.initializers.zeros)
+    return nn.Dense(
+        features,
+        kernel_init=nn.initializers.orthogonal(scale),
+        bias_init=nn.initializers.zeros,
+        dot_general=_dot_general,
+    )
 
 
 class MLPTorso(nn.Module):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import rlax
 
-from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob, mean_over
+from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob, mean_over, shuffle
 
 
 @chex.dataclass(frozen=True)
@@ -121,7 +121,7 @@ class PPO(Agent):
             return (params, opt_state), metrics
 
         def epoch(carry, epoch_key):
-            perm = jax.random.permutation(epoch_key, n)
+            perm = shuffle(epoch_key, n)
             shuffled = jax.tree.map(lambda x: x[perm].reshape((c.num_minibatches, -1) + x.shape[1:]), batch)
             return jax.lax.scan(minibatch_step, carry, shuffled, unroll=unroll)
 

@@ -116,6 +116,24 @@ class JaxEnv:
         state = EnvState(inner=inner, episode_return=zeros, episode_length=zeros.astype(jnp.int32))
         return state, obs.astype(self.spec.obs_dtype)
 
+    def prepare(self, keys: chex.Array) -> tuple[chex.Array, tuple[chex.Array, Any]]:
+        """The randomness of steps to come, for keys of any batch shape [..., 2]: each key splits into a
+        step key and a reset key, as in gymnax's own auto-resetting step, and the reset key gives the
+        fresh episode (first obs, gymnax state) that replaces an episode ending on that step.
+
+        Anakin prepares a whole rollout at once, outside its sequential loop: gymnax computes a reset
+        on every step anyway and selects it where an episode ended, so this is the same work vectorised,
+        and on CPU each in-loop random draw is a small rolled loop of its own.
+        Returns:
+          (step_keys [..., 2], (obs [..., *obs_shape], gymnax state [..., ...])).
+        """
+        split, reset = jax.random.split, lambda k: self._env.reset_env(k, self._params)  # noqa: E731
+        for _ in range(keys.ndim - 1):
+            split, reset = jax.vmap(split), jax.vmap(reset)
+        pair = split(keys)
+        obs, inner = reset(pair[..., 1, :])
+        return pair[..., 0, :], (obs.astype(self.spec.obs_dtype), inner)
+
     def step(self, state: EnvState, action: chex.Array, keys: chex.Array) -> tuple[EnvState, TimeStep]:
         """Steps B environments once, resetting those whose episode ends.
 
@@ -124,17 +142,31 @@ class JaxEnv:
           action: [B] int actions.
           keys: [B] PRNG keys (consumed).
         """
-        obs, inner, reward, terminated, truncated, _ = jax.vmap(self._env.step, in_axes=(0, 0, 0, None))(
-            keys, state.inner, action, self._params
+        return self.step_prepared(state, action, *self.prepare(keys))
+
+    def step_prepared(
+        self, state: EnvState, action: chex.Array, step_keys: chex.Array, resets: tuple[chex.Array, Any]
+    ) -> tuple[EnvState, TimeStep]:
+        """`step` with its randomness from `prepare`: step keys [B] and fresh episodes [B, ...]."""
+        obs, inner, reward, terminated, _ = jax.vmap(self._env.step_env, in_axes=(0, 0, 0, None))(
+            step_keys, state.inner, action, self._params
         )
+        truncated = jax.vmap(self._env.is_truncated, in_axes=(0, None))(inner, self._params)
+        done = jnp.logical_or(terminated, truncated)
+
+        def select(fresh, x, old):  # the fresh episode where one ended, in the state's own dtype
+            return jnp.where(done.reshape(done.shape + (1,) * (x.ndim - 1)), fresh, x).astype(old.dtype)
+
+        reset_obs, reset_inner = resets
+        inner = jax.tree.map(select, reset_inner, inner, state.inner)
+        obs = select(reset_obs, obs, reset_obs)
         # A time-limit truncation also cuts the return (discount 0), as in PureJaxRL: bootstrapping
         # from the final observation would need a second network call on every step.
-        done = jnp.logical_or(terminated, truncated)
         reward = reward.astype(jnp.float32)
         episode_return = state.episode_return + reward
         episode_length = state.episode_length + 1
         ts = TimeStep(
-            obs=obs.astype(self.spec.obs_dtype),
+            obs=obs,
             reward=reward,
             discount=1.0 - done.astype(jnp.float32),
             done=done,
