@@ -1,7 +1,7 @@
 """`podray bench anakin`: env steps/s of the fused Anakin loop, beside the raw environment ceiling.
 
 For every (environment, devices x envs per device) setting, the same run measures
-  - steps_per_s: PPO under Anakin (act + env step + learn), compile excluded, the median of >= 3 timed
+  - steps_per_s: PPO under Anakin (act + env step + learn), compile excluded, the median of 5 timed
     calls of the compiled program;
   - ceiling_steps_per_s: the jitted environment step alone with random actions, at the same batch and
     devices, the same way (shard_map over the mesh, scan over the same number of steps).
@@ -131,31 +131,60 @@ def measure(env_name: str, devices: int, envs_per_device: int, calls: int = 3, t
     )
 
 
-def main(out: str | None = None, quick: bool = False) -> list[Row]:
-    settings = QUICK_SETTINGS if quick else FULL_SETTINGS
+def _print_row(row: Row) -> None:
+    print(
+        f"{row.env:<14}{row.setting:>9}{row.steps_per_s:>14,.0f}{row.ceiling_steps_per_s:>14,.0f}"
+        f"{row.ratio:>8.2f}{row.compile_s:>11.1f}",
+        flush=True,
+    )
+
+
+def _measure_group(devices: int, per_device: list[int], envs: list[str], target_steps: int) -> None:
+    """Child-process entry: measures the settings of one device count, one JSON row per line."""
     from podray.host import configure_cpu_devices
 
-    configure_cpu_devices(max(d for d, _ in settings))  # only affects the CPU backend
-    import jax
-
-    available = len(jax.local_devices())
-    rows = []
-    envs = ENVS[:1] if quick else ENVS
-    header = f"{'env':<14}{'setting':>9}{'steps/s':>14}{'ceiling':>14}{'ratio':>8}{'compile s':>11}"
-    print(f"backend {jax.default_backend()}, {available} local devices; PPO 128-step rollouts, 4x4 minibatches")
-    print(header)
+    configure_cpu_devices(devices)  # only affects the CPU backend
     for env_name in envs:
-        for devices, per_device in settings:
-            if devices > available:
-                print(f"{env_name:<14}{devices}x{per_device:>6}   skipped: only {available} devices")
-                continue
-            row = measure(env_name, devices, per_device, target_steps=8192 if quick else 131072)
-            rows.append(row)
-            print(
-                f"{row.env:<14}{row.setting:>9}{row.steps_per_s:>14,.0f}{row.ceiling_steps_per_s:>14,.0f}"
-                f"{row.ratio:>8.2f}{row.compile_s:>11.1f}",
-                flush=True,
-            )
+        for n in per_device:
+            row = measure(env_name, devices, n, calls=5, target_steps=target_steps)
+            print(ROW_PREFIX + json.dumps(asdict(row)), flush=True)
+
+
+ROW_PREFIX = "ROW "
+
+
+def main(out: str | None = None, quick: bool = False) -> list[Row]:
+    """Runs the sweep. Each device count runs in a fresh process holding exactly that many (fake CPU)
+    devices, as a user's run would: a 1-device program in a process that also holds 3 idle fake devices
+    runs up to 20% slower here (XLA:CPU shares its thread pools among the devices)."""
+    import subprocess
+    import sys
+
+    settings = QUICK_SETTINGS if quick else FULL_SETTINGS
+    envs = ENVS[:1] if quick else ENVS
+    target_steps = 8192 if quick else 131072
+    groups: dict[int, list[int]] = {}
+    for devices, per_device in settings:
+        groups.setdefault(devices, []).append(per_device)
+    header = f"{'env':<14}{'setting':>9}{'steps/s':>14}{'ceiling':>14}{'ratio':>8}{'compile s':>11}"
+    print("PPO 128-step rollouts, 4x4 minibatches; each device count in its own process")
+    print(header, flush=True)
+    rows = []
+    for devices, per_device in groups.items():
+        args = [devices, per_device, envs, target_steps]
+        code = f"import json, sys; from {__name__} import _measure_group; _measure_group(*json.loads(sys.argv[1]))"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for line in proc.stdout:
+            if line.startswith(ROW_PREFIX):
+                row = Row(**json.loads(line[len(ROW_PREFIX) :]))
+                rows.append(row)
+                _print_row(row)
+        stderr = proc.stderr.read()
+        if proc.wait() != 0:
+            raise RuntimeError(f"bench anakin: the {devices}-device process failed:\n{stderr[-3000:]}")
+    rows.sort(key=lambda r: (envs.index(r.env), settings.index((r.devices, r.envs_per_device))))
     if out:
         with open(out, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=2)
