@@ -526,15 +526,18 @@ def _validate_sebulba(config: Config) -> None:
             f"sebulba.actor_batch_size ({s.actor_batch_size}) for envpool's async mode"
         )
     n_learners = len(s.learner_devices)
-    if s.actor_batch_size % n_learners:
+    if s.learner_batch_size % s.actor_batch_size and s.actor_batch_size % s.learner_batch_size:
         raise ConfigError(
-            f"sebulba.actor_batch_size: {s.actor_batch_size} does not split over {n_learners} learner devices; "
-            f"use a multiple of {n_learners}"
+            f"sebulba.learner_batch_size: {s.learner_batch_size} must be a multiple or a divisor of "
+            f"sebulba.actor_batch_size ({s.actor_batch_size}): a learner step gathers whole actor trajectories, "
+            f"or an actor trajectory is cut into learner batches"
         )
-    if s.learner_batch_size % s.actor_batch_size:
+    piece = min(s.actor_batch_size, s.learner_batch_size)
+    if piece % n_learners:
+        field_ = "actor_batch_size" if piece == s.actor_batch_size else "learner_batch_size"
         raise ConfigError(
-            f"sebulba.learner_batch_size: {s.learner_batch_size} must be a multiple of sebulba.actor_batch_size "
-            f"({s.actor_batch_size}): a learner step gathers whole actor trajectories"
+            f"sebulba.{field_}: {piece} does not split over {n_learners} learner devices; "
+            f"use a multiple of {n_learners}"
         )
     per_device = s.rollout_length * s.learner_batch_size // n_learners
     if config.agent.name == "ppo" and per_device % config.agent.num_minibatches:

@@ -66,8 +66,11 @@ class SebulbaProgram:
         self.num_updates = math.ceil(config.total_env_steps / self.steps_per_update)
         self.agent = agent or make_agent(config.agent, config.network, self.spec, self.num_updates)
         self.mesh = Mesh(np.asarray(self.learner_devices, dtype=object), (LEARNER_AXIS,))
+        # Batch sizes are decoupled: a learner step takes k pieces of `piece` environments each; an actor
+        # trajectory is one piece, or is cut into several when the learner batch is the smaller one.
+        self.piece = min(s.actor_batch_size, s.learner_batch_size)
         self.learner = Learner(
-            self.agent, self.mesh, s.learner_batch_size // s.actor_batch_size, channels_first=self.channels_first
+            self.agent, self.mesh, s.learner_batch_size // self.piece, channels_first=self.channels_first
         )
         self.policy = jax.jit(self._policy)
         self.params = ParamsStore(self.actor_devices)
@@ -101,7 +104,7 @@ class SebulbaProgram:
         start = time.perf_counter()
         s = self.config.sebulba
         trajectory = self.learner.abstract_trajectory(
-            s.rollout_length, s.actor_batch_size, self._raw_obs_shape(), self.spec.obs_dtype
+            s.rollout_length, self.piece, self._raw_obs_shape(), self.spec.obs_dtype
         )
         self._compiled_step = self.learner.step.lower(state, (trajectory,) * self.learner.k).compile()
         obs = np.zeros((s.actor_batch_size, *self._raw_obs_shape()), self.spec.obs_dtype)
@@ -168,6 +171,7 @@ class SebulbaProgram:
                     learner_sharding=self.learner.batch_sharding,
                     rollout_length=s.rollout_length,
                     batch_size=s.actor_batch_size,
+                    piece_size=self.piece,
                     seed=self.config.seed,
                     stop=self._stop,
                     on_error=self._fail,

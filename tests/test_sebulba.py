@@ -110,6 +110,36 @@ def test_pong_two_learner_devices_runs_updates():
     assert int(state.train.updates) == 3
 
 
+def test_learner_batch_smaller_than_the_actor_batch_cuts_trajectories_into_pieces():
+    """Decoupled batch sizes both ways: actor batch 8, learner batch 4 over 2 learner devices."""
+    config = _config(
+        "sebulba_cartpole",
+        "sebulba.learner_devices=[1, 2]",
+        "sebulba.actor_batch_size=8",
+        "sebulba.learner_batch_size=4",
+        "sebulba.rollout_length=5",
+        "total_env_steps=60",  # 3 updates of 4 x 5 steps
+    )
+    program = SebulbaProgram(config, _host())
+    state = program.learner.initial_state(0)
+    program.compile(state)
+    program.start(state.train.params, 0)
+    try:
+        pieces = []
+        for version in range(3):
+            (rollout,) = program.gather(version)
+            obs = rollout.trajectory.obs
+            assert obs.shape == (6, 4, 4)
+            assert all(s.data.shape == (6, 2, 4) for s in obs.addressable_shards)
+            pieces.append(np.asarray(obs))
+            state, _ = program.learner_step(state, [rollout])
+    finally:
+        program.stop()
+    assert int(state.train.updates) == 3
+    assert not np.array_equal(pieces[0], pieces[1])  # the two halves of one trajectory, not one twice
+    assert program.threads == [] or _no_actor_threads_alive()
+
+
 def test_policy_lag_and_queue_stay_bounded():
     """Many fast actors and a slow learner: lag never exceeds its bound, the queue never its size."""
     config = _config(

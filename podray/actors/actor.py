@@ -105,6 +105,8 @@ class ActorThread(threading.Thread):
       learner_sharding: a NamedSharding that splits axis 1 (the batch) over the learner devices.
       rollout_length: T.
       batch_size: environments per trajectory (the actor batch).
+      piece_size: environments per hand-over (a divisor of batch_size): a trajectory is cut along the
+        batch into pieces of this size when the learner batch is smaller than the actor batch.
       seed: the run's seed.
       stop: set when the run ends; the thread then returns within about `poll_s`.
       on_error: called with any exception raised in the thread (the run then ends with it).
@@ -126,6 +128,7 @@ class ActorThread(threading.Thread):
         stop: threading.Event,
         on_error: Callable[[BaseException], None],
         poll_s: float = 0.1,
+        piece_size: int | None = None,
     ):
         super().__init__(name=f"podray-actor-{index}", daemon=True)
         self.index = index
@@ -137,6 +140,7 @@ class ActorThread(threading.Thread):
         self._sharding = learner_sharding
         self._T = rollout_length
         self._B = batch_size
+        self._piece = piece_size or batch_size
         self._seed = seed
         self._stop_event = stop
         self._on_error = on_error
@@ -167,10 +171,15 @@ class ActorThread(threading.Thread):
         self.stats.put_s += time.perf_counter() - start
 
     def _emit(self, trajectory: Trajectory, version: int) -> None:
-        # One host-to-device transfer per leaf, straight onto the learner devices, split over the batch.
-        on_learners = jax.device_put(trajectory, self._sharding)
-        self._put(Rollout(trajectory=on_learners, version=version, actor=self.index))
-        self.stats.rollouts += 1
+        # One host-to-device transfer per leaf and piece, straight onto the learner devices, split over
+        # the batch.
+        for start in range(0, self._B, self._piece):
+            piece = trajectory
+            if self._piece != self._B:
+                piece = jax.tree.map(lambda x, a=start: x[:, a : a + self._piece], trajectory)
+            on_learners = jax.device_put(piece, self._sharding)
+            self._put(Rollout(trajectory=on_learners, version=version, actor=self.index))
+            self.stats.rollouts += 1
 
     def _loop(self, env: HostEnv) -> None:
         T, B, N = self._T, self._B, env.num_envs
