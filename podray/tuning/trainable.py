@@ -76,13 +76,14 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     trial_id = tune.get_context().get_trial_id()
     run_dir = pathlib.Path(context.runs_dir) / trial_id
     checkpoint = tune.get_checkpoint()
+    restored = None
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            restore_run_dir(directory, run_dir, trial)
+            restored = restore_run_dir(directory, run_dir, trial)
     else:
         shutil.rmtree(run_dir, ignore_errors=True)  # a restart without a checkpoint starts over
     run_dir.mkdir(parents=True, exist_ok=True)
-    sink = TuneReportSink(run_dir, trial_id)
+    sink = TuneReportSink(run_dir, trial_id, restored_row=restored and restored.get("row"))
     launch(trial, run_dir, resume=checkpoint is not None, sink=sink)
     sink.flush()
 
@@ -159,7 +160,7 @@ def restore_run_dir(checkpoint_dir: str | pathlib.Path, run_dir: pathlib.Path, c
     The checkpoint's config may differ from `config` only in shape-free fields
     (spec.SHAPE_FREE_FIELDS), so that its state (parameters, optimizer state) fits the program that
     `config` compiles; anything else is a ConfigError naming the fields. Appends the restore to
-    run_dir/restores.jsonl and returns that record.
+    run_dir/restores.jsonl and returns that record, with "row": the metrics row reported with the checkpoint.
     """
     checkpoint_dir = pathlib.Path(checkpoint_dir)
     info = json.loads((checkpoint_dir / INFO_FILE).read_text())
@@ -188,7 +189,7 @@ def restore_run_dir(checkpoint_dir: str | pathlib.Path, run_dir: pathlib.Path, c
     }
     with (run_dir / RESTORES_FILE).open("a") as f:
         f.write(json.dumps(record) + "\n")
-    return record
+    return {**record, "row": info.get("row")}
 
 
 def read_restores(run_dir: str | pathlib.Path) -> list[dict]:
@@ -215,16 +216,30 @@ class TuneReportSink:
     other scalars, restores (how often this trial was restored) and restored_env_steps (the env steps
     of the last restored checkpoint, 0 if none).
 
+    A trial restored from a checkpoint taken at the end of its budget (Tune can pause a short trial
+    after it reported its last checkpoint but before it returned, or PBT can clone a trial's final
+    checkpoint) has nothing left to run; it reports the restored checkpoint's row again, so that its
+    last result is that of the state it holds, not the stale one from before the restore.
+
     Args:
       run_dir: the trial's podray run directory.
       trial_id: the Tune trial id (recorded in checkpoints, so an exploiting trial knows its source).
       report: the reporting function, tune.report by default.
+      restored_row: the metrics row stored with the checkpoint this run was restored from, if any.
     """
 
-    def __init__(self, run_dir: str | pathlib.Path, trial_id: str, report: Callable | None = None):
+    def __init__(
+        self,
+        run_dir: str | pathlib.Path,
+        trial_id: str,
+        report: Callable | None = None,
+        restored_row: Mapping[str, Any] | None = None,
+    ):
         self.run_dir = pathlib.Path(run_dir)
         self.trial_id = trial_id
         self._report = report
+        self._restored_row = dict(restored_row) if restored_row else None
+        self._sent = 0
         self._pending: tuple[int, dict] | None = None
         self._last_return = math.nan
         restores = read_restores(self.run_dir)
@@ -237,10 +252,13 @@ class TuneReportSink:
         self._pending = (int(step), dict(metrics))
 
     def flush(self) -> None:
-        """Reports the held-back row (call after the run returned)."""
+        """Reports the held-back row (call after the run returned); a run that was restored and had
+        nothing left to run reports its restored checkpoint's row."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._send(*pending)
+        elif self._sent == 0 and self._restored_row is not None:
+            self._send(int(self._restored_row.get("updates", 0)), self._restored_row)
 
     def close(self) -> None:
         pass
@@ -264,13 +282,14 @@ class TuneReportSink:
         stage = None
         try:
             if step in orbax_steps(self.run_dir / "checkpoints"):
-                info = {"trial_id": self.trial_id, "updates": step, "env_steps": row["env_steps"]}
+                info = {"trial_id": self.trial_id, "updates": step, "env_steps": row["env_steps"], "row": row}
                 stage = stage_checkpoint(self.run_dir, step, info, self.run_dir / "tune_stage")
                 from ray import tune
 
                 report(row, checkpoint=tune.Checkpoint.from_directory(str(stage)))
             else:
                 report(row)
+            self._sent += 1
         finally:
             if stage is not None:  # Tune has copied it to the study's storage by now
                 shutil.rmtree(stage, ignore_errors=True)
