@@ -121,10 +121,16 @@ class HostGroup:
     placement: Any = None
     tpu_slice: Any = None
     devices: dict = field(default_factory=dict)
+    borrowed: bool = False
 
     @classmethod
-    def place(cls, config: config_lib.Config, timeout_s: float = 120.0) -> "HostGroup":
-        """Places one host worker per host (without starting JAX in them)."""
+    def place(cls, config: config_lib.Config, timeout_s: float = 120.0, placement: tuple | None = None) -> "HostGroup":
+        """Places one host worker per host (without starting JAX in them).
+
+        Args:
+          placement: (placement group, first bundle index) to place the workers into bundles that the
+            caller reserved (a multi-host Tune trial reserves them with its own bundle); kept on stop().
+        """
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -164,6 +170,16 @@ class HostGroup:
                 nodes = ray.get([w.node_info.remote() for w in workers])
             return cls(workers, nodes, placement=pg, tpu_slice=tpu_slice)
         n = r.hosts
+        if placement is not None:
+            pg, first = placement
+            workers = [
+                Worker.options(
+                    num_cpus=1,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + i),
+                ).remote(i, n, r.cpu_devices)
+                for i in range(n)
+            ]
+            return cls(workers, ray.get([w.node_info.remote() for w in workers]), placement=pg, borrowed=True)
         if n == 1:
             # One host: no placement group to wait for (the single-host default stays fast).
             workers = [Worker.options(num_cpus=1).remote(0, 1, r.cpu_devices)]
@@ -234,7 +250,7 @@ class HostGroup:
                 pass
         if self.tpu_slice is not None:
             self.tpu_slice.shutdown()
-        elif self.placement is not None:
+        elif self.placement is not None and not self.borrowed:
             remove_placement_group(self.placement)
 
 
@@ -284,14 +300,17 @@ def _run_group(
     return_params: bool,
     on_group: Callable[[HostGroup], None] | None,
     say: Callable[[str], None],
+    placement: tuple | None = None,
 ) -> list[dict]:
-    """Runs `config` to its end on a group of host workers, restarting after a lost host."""
+    """Runs `config` to its end on a group of host workers, restarting after a lost host.
+
+    `placement` (placement group, first bundle index) places the workers in bundles the caller holds."""
     from ray.exceptions import RayActorError
 
     restarts = 0
     _log_event(run_dir, {"event": "start", "resume": resume, "hosts": config.run.hosts, **tags})
     while True:
-        group = HostGroup.place(config)
+        group = HostGroup.place(config, placement=placement)
         try:
             group.initialize()
             if on_group is not None:

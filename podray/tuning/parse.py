@@ -202,10 +202,10 @@ def _resources(data: Any) -> Resources:
         raise ConfigError(f"resources.devices: devices per trial must be >= 1, got {devices}")
     if hosts < 1:
         raise ConfigError(f"resources.hosts: hosts per trial must be >= 1, got {hosts}")
-    if hosts > 1:
+    if hosts > 1 and accelerator != "cpu":
         raise ConfigError(
-            f"resources.hosts: {hosts} hosts per trial needs multi-host trials through the Ray layer "
-            "(podray.cluster), which podray tune does not drive yet; use hosts: 1"
+            f"resources.hosts: {hosts} {accelerator} hosts per trial are not wired yet (multi-host trials place "
+            "CPU host workers through the Ray layer); use hosts: 1, or accelerator: cpu"
         )
     return Resources(cpus=cpus, accelerator=accelerator, devices=devices, hosts=hosts)
 

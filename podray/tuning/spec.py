@@ -145,7 +145,9 @@ class Resources:
       cpus: CPU cores Ray reserves per trial.
       accelerator: 'cpu' (the trial fakes `devices` CPU devices), 'gpu' or 'tpu'.
       devices: devices per host a trial uses: GPUs, TPU chips, or fake CPU devices.
-      hosts: hosts per trial; more than 1 runs through the Ray layer (podray.cluster), not yet wired.
+      hosts: hosts per trial; more than 1 runs the trial through the Ray layer (podray.cluster): one
+        host worker per host, joined into one multi-host JAX program, each in a bundle of 1 CPU of the
+        trial's placement group (CPU hosts only for now).
     """
 
     cpus: float = 1.0
@@ -154,12 +156,19 @@ class Resources:
     hosts: int = 1
 
     def ray_bundle(self) -> dict[str, float]:
+        """The trial's own bundle (for a multi-host trial: the process that drives its host workers)."""
         bundle = {"CPU": float(self.cpus)}
         if self.accelerator == "gpu":
             bundle["GPU"] = float(self.devices)
         elif self.accelerator == "tpu":
             bundle["TPU"] = float(self.devices)
         return bundle
+
+    def ray_bundles(self) -> list[dict[str, float]]:
+        """Every bundle of a trial's placement group: its own, then one per host worker (hosts > 1)."""
+        if self.hosts == 1:
+            return [self.ray_bundle()]
+        return [self.ray_bundle()] + [{"CPU": 1.0}] * self.hosts
 
 
 @dataclass
@@ -260,6 +269,7 @@ def trial_config(
     config.run.devices = []
     config.run.progress = False
     config.run.cpu_devices = resources.devices if resources.accelerator == "cpu" else 0
+    config.run.hosts = resources.hosts
     config.run.checkpoint_every = report_every_updates(config) * checkpoint_every
     config_lib.validate(config)
     config_lib.validate_devices(config, resources.devices * resources.hosts)
@@ -378,6 +388,15 @@ def check_cluster(spec: StudySpec, nodes: typing.Sequence[dict[str, float]]) -> 
       nodes: the resources of each alive node (ray.nodes()[i]["Resources"]).
     """
     bundle = spec.resources.ray_bundle()
+    if spec.resources.hosts > 1:
+        need = sum(b["CPU"] for b in spec.resources.ray_bundles())
+        have = sum(node.get("CPU", 0.0) for node in nodes)
+        if need > have:
+            raise ConfigError(
+                f"resources.hosts: a trial of {spec.resources.hosts} hosts needs {need:g} CPUs "
+                f"({spec.resources.cpus:g} for the trial, 1 per host worker), but the Ray cluster has {have:g}; "
+                "lower resources.hosts or resources.cpus, or add nodes"
+            )
     if any(all(node.get(k, 0.0) >= v for k, v in bundle.items()) for node in nodes):
         return
     for name, need in bundle.items():

@@ -138,8 +138,8 @@ def _trainable(spec: spec_lib.StudySpec, study_dir: pathlib.Path):
         runs_dir=str(study_dir / "runs"),
         compilation_cache=str(study_dir / "jax_cache"),
     )
-    bundle = spec.resources.ray_bundle()
-    return tune.with_resources(tune.with_parameters(run_trial, context=context), tune.PlacementGroupFactory([bundle]))
+    bundles = spec.resources.ray_bundles()
+    return tune.with_resources(tune.with_parameters(run_trial, context=context), tune.PlacementGroupFactory(bundles))
 
 
 def _unfinished(outputs: report_lib.Outputs) -> int:

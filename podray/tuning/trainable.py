@@ -89,16 +89,68 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
 
 
 def launch(config: config_lib.Config, run_dir: pathlib.Path, resume: bool, sink) -> Any:
-    """Runs a trial's podray run; returns its Summary. The seam between Tune and podray.
+    """Runs a trial's podray run; returns host 0's summary. The seam between Tune and podray.
 
-    Today the run is podray.training.train in this process (the trial's Ray actor) on the devices Ray
-    gave it. A multi-host trial (resources.hosts > 1) would call the Ray layer here instead
-    (podray.cluster places one host worker per host, each calling the same train(...)), with host 0
-    sending its metrics rows back to `sink` in this process, where tune.report must be called.
+    One host (run.hosts == 1): podray.training.train in this process (the trial's Ray actor) on the
+    devices Ray gave it, with `sink` as an extra metrics sink. Several hosts: the Ray layer
+    (podray.cluster) places one host worker per host in the bundles after the trial's own in its
+    placement group, joins them into one multi-host JAX program and restarts them from the latest
+    checkpoint if one is lost; host 0 writes the run directory, and this process forwards each new row
+    of its metrics.jsonl to `sink` (tune.report must be called here, in the trial's process).
     """
-    from podray.training import train
+    if config.run.hosts == 1:
+        from podray.training import train
 
-    return train(config, run_dir=run_dir, resume=resume, extra_sinks=[sink])
+        return train(config, run_dir=run_dir, resume=resume, extra_sinks=[sink])
+    return _launch_hosts(config, run_dir, resume, sink)
+
+
+def _launch_hosts(config: config_lib.Config, run_dir: pathlib.Path, resume: bool, sink, poll_s: float = 0.5) -> Any:
+    import threading
+
+    from ray.util import get_current_placement_group
+
+    from podray.cluster import driver
+
+    placement = get_current_placement_group()
+    if placement is None:
+        raise RuntimeError("a multi-host trial runs inside a Tune trial's placement group (podray tune places it)")
+    steps = orbax_steps(run_dir / "checkpoints")
+    forwarded = steps[-1] if resume and steps else 0  # rows up to the restored step were reported before
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            tags = {"run": config.name, "replica": run_dir.name}
+            outcome["results"] = driver._run_group(
+                config, run_dir, resume, tags, False, None, lambda s: print(s, flush=True), placement=(placement, 1)
+            )
+        except BaseException as e:  # re-raised in the trial's thread below
+            outcome["error"] = e
+
+    def forward_new_rows() -> None:
+        nonlocal forwarded
+        path = run_dir / "metrics.jsonl"
+        if not path.exists():
+            return
+        for line in path.read_text().splitlines():
+            if not line.strip() or not line.endswith("}"):
+                continue  # a row being written
+            row = json.loads(line)
+            step = int(row.pop("step", 0))
+            row.pop("time", None)
+            if step > forwarded:
+                sink.write(step, row)
+                forwarded = step
+
+    thread = threading.Thread(target=run, name="podray-trial-hosts", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(poll_s)
+        forward_new_rows()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["results"][0]
 
 
 # --------------------------------------------------------------------------------------------------
