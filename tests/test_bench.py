@@ -20,3 +20,18 @@ def test_bench_anakin_quick_writes_rows(tmp_path):
     for row in rows:
         assert row["steps_per_s"] > 0 and row["ceiling_steps_per_s"] > 0
         assert row["ceiling_steps_per_s"] > row["steps_per_s"]  # the env alone is faster than env + learning
+
+
+def test_bench_sebulba_measures_one_small_setting():
+    """One tiny setting end to end (values are not asserted: speed is for benchmarks, not tests)."""
+    from podray import host
+
+    host.configure_cpu_devices_if_not_started(4)
+    from podray.bench import sebulba_bench
+
+    row = sebulba_bench.measure("nature_cnn", 4, 1, "1+1", rollout_length=5, min_seconds=0.5, learner_batch=2)
+    assert row.actor_batch_size == 4 and row.learner_batch_size == 2 and "L=2" in row.setting
+    for name in ("frames_per_s", "ceiling_frames_per_s", "env_frames_per_s", "inference_frames_per_s"):
+        assert getattr(row, name) > 0, name
+    assert row.learner_updates >= 3
+    assert abs(row.efficiency - row.frames_per_s / row.ceiling_frames_per_s) < 1e-9

@@ -12,8 +12,9 @@ Where all three share the same CPU cores, the best rate a pipeline can reach is 
 accelerator it is the slowest of the three. Efficiency = measured / bound. Frames = 4 x env steps
 (Atari frame skip).
 
-The learner batch equals the actor batch here (one trajectory per learner step), so that frames/s is
-compared at equal work per sample; the rollout length is 20 (IMPALA's).
+The learner batch is fixed (LEARNER_BATCH trajectories; an actor trajectory larger than that is cut
+into pieces) while the actor batch is swept, so that every setting does the same learner work per
+sample; the rollout length is 20 (IMPALA's).
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from dataclasses import asdict, dataclass
 
 import jax
 import numpy as np
+
+# The learner batch stays at LEARNER_BATCH trajectories while the actor batch is swept: batch sizes are
+# decoupled (an actor trajectory larger than the learner batch is cut into pieces), so the sweep shows
+# what the actor batch changes, with the learner in the same regime at every setting.
+LEARNER_BATCH = 32
 
 FULL_SWEEP = {
     "torso": ["nature_cnn", "impala_resnet"],
@@ -49,6 +55,7 @@ class Row:
     setting: str
     torso: str
     actor_batch_size: int
+    learner_batch_size: int
     threads_per_actor_device: int
     split: str
     env_steps_per_s: float
@@ -68,7 +75,7 @@ class Row:
     load_avg_1m: float
 
 
-def _config(torso: str, batch: int, threads: int, split: str, env: str, rollout_length: int):
+def _config(torso: str, batch: int, threads: int, split: str, env: str, rollout_length: int, learner_batch: int):
     from podray import config as config_lib
 
     actors, learners = SPLITS[split]
@@ -79,7 +86,7 @@ def _config(torso: str, batch: int, threads: int, split: str, env: str, rollout_
         f"sebulba.learner_devices={learners}",
         f"sebulba.threads_per_actor_device={threads}",
         f"sebulba.actor_batch_size={batch}",
-        f"sebulba.learner_batch_size={batch}",
+        f"sebulba.learner_batch_size={learner_batch}",
         f"sebulba.rollout_length={rollout_length}",
         "sebulba.queue_size=2",
         "sebulba.max_policy_lag=1000",
@@ -137,7 +144,7 @@ def _learner_ceiling(program, state, repeats: int):
 
     s = program.config.sebulba
     abstract = program.learner.abstract_trajectory(
-        s.rollout_length, s.actor_batch_size, program._raw_obs_shape(), program.spec.obs_dtype
+        s.rollout_length, program.piece, program._raw_obs_shape(), program.spec.obs_dtype
     )
     rng = np.random.default_rng(0)
 
@@ -194,14 +201,16 @@ def measure(
     env: str = "Pong-v5",
     rollout_length: int = 20,
     min_seconds: float = 20.0,
+    learner_batch: int | None = None,
 ) -> Row:
-    """Measures one setting (see the module docstring)."""
+    """Measures one setting (see the module docstring); the learner batch is LEARNER_BATCH unless given."""
     import os
 
     from podray.host import local_context
     from podray.sebulba import SebulbaProgram
 
-    config = _config(torso, batch, threads, split, env, rollout_length)
+    learner_batch = learner_batch or LEARNER_BATCH
+    config = _config(torso, batch, threads, split, env, rollout_length, learner_batch)
     program = SebulbaProgram(config, local_context())
     state = program.learner.initial_state(0)
     program.compile(state)
@@ -212,9 +221,10 @@ def measure(
     measured, lag, updates, elapsed = _pipeline(program, state, 2, 3, min_seconds)
     frames = program.frame_skip
     return Row(
-        setting=f"{torso} B={batch} threads={threads} split={split}",
+        setting=f"{torso} B={batch} L={learner_batch} threads={threads} split={split}",
         torso=torso,
         actor_batch_size=batch,
+        learner_batch_size=learner_batch,
         threads_per_actor_device=threads,
         split=split,
         env_steps_per_s=env_rate,
@@ -237,13 +247,13 @@ def measure(
 
 def _table(rows: list[Row]) -> str:
     head = (
-        f"{'setting':<44} {'frames/s':>9} {'bound':>9} {'eff':>5} {'env f/s':>9} {'infer f/s':>10} "
+        f"{'setting':<50} {'frames/s':>9} {'bound':>9} {'eff':>5} {'env f/s':>9} {'infer f/s':>10} "
         f"{'learn f/s':>10} {'lag':>5} {'load':>5}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.setting:<44} {r.frames_per_s:>9,.0f} {r.ceiling_frames_per_s:>9,.0f} {r.efficiency:>5.0%} "
+            f"{r.setting:<50} {r.frames_per_s:>9,.0f} {r.ceiling_frames_per_s:>9,.0f} {r.efficiency:>5.0%} "
             f"{r.env_frames_per_s:>9,.0f} {r.inference_frames_per_s:>10,.0f} {r.learner_frames_per_s:>10,.0f} "
             f"{r.policy_lag:>5.1f} {r.load_avg_1m:>5.1f}"
         )
