@@ -61,17 +61,18 @@ def collect(spec: spec_lib.StudySpec, grid, study_dir: pathlib.Path) -> tuple[li
     fields = spec.searched_fields()
     fields += [f for f in (*spec.batch_fields, spec.depth_field) if f not in fields]
     rows, histories = [], {}
-    # ResultGrid keeps the trials' ids, statuses and configs on its ExperimentAnalysis, in its order.
-    for trial, result in zip(grid._experiment_analysis.trials, grid):
-        config = trial.config or {}
+    for result in grid:
+        # podray names each trial's directory by its trial id (study.trial_dirname).
+        trial_id = pathlib.Path(result.path).name
+        config = result.config or {}
         last = result.metrics or {}
         history = result.metrics_dataframe
-        histories[trial.trial_id] = history
+        histories[trial_id] = history
         series = [_float(v) for v in history[metric]] if history is not None and metric in history else []
         # After an interruption Tune marks live trials TERMINATED in memory (RUNNING in its saved state);
         # only a trial that completed (or was stopped by the scheduler) has done=True in its last result.
         status = "ERROR" if result.error else "TERMINATED" if last.get("done") else "UNFINISHED"
-        row: dict[str, Any] = {"trial": trial.trial_id, "status": status}
+        row: dict[str, Any] = {"trial": trial_id, "status": status}
         for name in fields:
             row[name] = config[name] if name in config else _dotted_get(spec.base_config, name)
         row[metric] = _float(last.get(metric))
@@ -80,7 +81,7 @@ def collect(spec: spec_lib.StudySpec, grid, study_dir: pathlib.Path) -> tuple[li
         row["frames_per_s"] = _float(last.get("frames_per_s"))
         row["iterations"] = int(last.get("training_iteration", 0) or 0)
         row["restores"] = int(last.get("restores", 0) or 0)
-        row["run_dir"] = str(study_dir / "runs" / trial.trial_id)
+        row["run_dir"] = str(study_dir / "runs" / trial_id)
         row["error"] = str(result.error).strip().splitlines()[-1][:300] if result.error else ""
         rows.append(row)
     rows.sort(key=lambda r: rank_key(r[metric], spec.mode))

@@ -142,6 +142,11 @@ def _trainable(spec: spec_lib.StudySpec, study_dir: pathlib.Path):
     return tune.with_resources(tune.with_parameters(run_trial, context=context), tune.PlacementGroupFactory(bundles))
 
 
+def trial_dirname(trial) -> str:
+    """A trial's directory in the study is named by its trial id (what podray.tuning.report reads)."""
+    return trial.trial_id
+
+
 def _unfinished(outputs: report_lib.Outputs) -> int:
     return sum(row["status"] == "UNFINISHED" for row in outputs.rows)
 
@@ -189,6 +194,7 @@ def run_study(
                 num_samples=spec.samples,
                 max_concurrent_trials=spec.concurrency or None,
                 reuse_actors=False,  # a fresh process per trial: JAX fixes its device count per process
+                trial_dirname_creator=trial_dirname,  # the report reads trial ids from the public Result.path
             ),
             run_config=tune.RunConfig(
                 name=name,
