@@ -73,7 +73,9 @@ class AgentConfig:
     optimizer: str = "adam"
     """Optimizer: 'adam' or 'rmsprop'."""
     adam_eps: float = 1e-5
-    """Epsilon of Adam / RMSProp."""
+    """Epsilon of Adam / RMSProp (optax; RMSProp adds it inside the square root). podray's losses are
+    means over the batch, so keep it small: RMSProp's 0.01 of torchbeast assumes losses summed over the
+    batch and here freezes learning."""
     max_grad_norm: float = 0.5
     """Global gradient-norm clip (0 disables)."""
     discount: float = 0.99
