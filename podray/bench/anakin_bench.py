@@ -172,7 +172,10 @@ def main(out: str | None = None, quick: bool = False) -> list[Row]:
     rows = []
     for devices, per_device in groups.items():
         args = [devices, per_device, envs, target_steps]
-        code = f"import json, sys; from {__name__} import _measure_group; _measure_group(*json.loads(sys.argv[1]))"
+        code = (
+            "import json, sys; from podray.bench.anakin_bench import _measure_group; "
+            "_measure_group(*json.loads(sys.argv[1]))"
+        )
         proc = subprocess.Popen(
             [sys.executable, "-c", code, json.dumps(args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )

@@ -170,32 +170,27 @@ class HostGroup:
                 nodes = ray.get([w.node_info.remote() for w in workers])
             return cls(workers, nodes, placement=pg, tpu_slice=tpu_slice)
         n = r.hosts
-        if placement is not None:
-            pg, first = placement
-            workers = [
-                Worker.options(
-                    num_cpus=1,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + i),
-                ).remote(i, n, r.cpu_devices)
-                for i in range(n)
-            ]
-            return cls(workers, ray.get([w.node_info.remote() for w in workers]), placement=pg, borrowed=True)
-        if n == 1:
-            # One host: no placement group to wait for (the single-host default stays fast).
-            workers = [Worker.options(num_cpus=1).remote(0, 1, r.cpu_devices)]
-            return cls(workers, ray.get([workers[0].node_info.remote()]))
-        from ray.util.placement_group import placement_group
+        borrowed = placement is not None
+        if not borrowed:
+            if n == 1:
+                # One host: no placement group to wait for (the single-host default stays fast).
+                workers = [Worker.options(num_cpus=1).remote(0, 1, r.cpu_devices)]
+                return cls(workers, ray.get([workers[0].node_info.remote()]))
+            from ray.util.placement_group import placement_group
 
-        # PACK: fake hosts share one machine; on a CPU cluster Ray still spills onto more nodes.
-        pg = placement_group([{"CPU": 1}] * n, strategy="PACK")
-        _wait_placement(pg, timeout_s, f"{n} host workers of 1 CPU each")
+            # PACK: fake hosts share one machine; on a CPU cluster Ray still spills onto more nodes.
+            pg = placement_group([{"CPU": 1}] * n, strategy="PACK")
+            _wait_placement(pg, timeout_s, f"{n} host workers of 1 CPU each")
+            placement = (pg, 0)
+        pg, first = placement
         workers = [
             Worker.options(
-                num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                num_cpus=1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + i),
             ).remote(i, n, r.cpu_devices)
             for i in range(n)
         ]
-        return cls(workers, ray.get([w.node_info.remote() for w in workers]), placement=pg)
+        return cls(workers, ray.get([w.node_info.remote() for w in workers]), placement=pg, borrowed=borrowed)
 
     def initialize(self) -> dict:
         """Starts JAX in every worker and joins them into one program (coordinator on host 0)."""
