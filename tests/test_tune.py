@@ -10,12 +10,15 @@ import signal
 
 import pytest
 import yaml
+from conftest import FAKE_TPU_SLICE
 from ray import tune
 
 from podray import cli
 from podray import config as config_lib
+from podray.cluster import HostGroup
 from podray.config import ConfigError
 from podray.tuning import load_study, parse, resume_study, run_study, trainable
+from podray.tuning import spec as spec_lib
 from podray.tuning import study as study_lib
 
 # A trial of a few seconds: a small network, one epoch of one minibatch, 256 env steps per report.
@@ -31,6 +34,8 @@ TINY = {
 }
 STEPS_PER_REPORT = 4 * 16 * 4
 DEPTHS = {"choice": [1, 2]}
+V4_16 = {"accelerator": "tpu", "tpu_topology": FAKE_TPU_SLICE["topology"], "tpu_version": FAKE_TPU_SLICE["version"]}
+"""Resources of a trial on one slice like conftest's fake one (v4 2x2x2: 2 hosts of 4 chips)."""
 
 
 def _write_study(tmp_path: pathlib.Path, name: str = "study", **keys) -> pathlib.Path:
@@ -100,7 +105,18 @@ def ray_session(ray_cluster):
         ),
         ({"resources": {"cpus": 0}}, "resources.cpus"),
         ({"resources": {"accelerator": "fpga"}}, "resources.accelerator"),
-        ({"resources": {"hosts": 2, "accelerator": "tpu"}}, "resources.hosts"),
+        ({"resources": {"hosts": 2, "accelerator": "tpu"}}, "resources.hosts"),  # give the slice instead
+        ({"resources": {"hosts": 2, "accelerator": "gpu"}}, "resources.hosts"),
+        ({"resources": {"tpu_topology": "2x2x2"}}, "resources.tpu_version"),
+        ({"resources": {"accelerator": "tpu", "tpu_version": "v4"}}, "resources.tpu_topology"),
+        ({"resources": {**V4_16, "tpu_topology": "3x7"}}, "resources.tpu_topology"),
+        ({"resources": {**V4_16, "tpu_version": "v9"}}, "resources.tpu_version"),
+        ({"resources": {**V4_16, "accelerator": "cpu"}}, "resources.accelerator"),
+        ({"resources": {**V4_16, "hosts": 4}}, "resources.hosts"),  # the slice has 2
+        ({"resources": {**V4_16, "devices": 2}}, "resources.devices"),  # a trial takes all 4 chips of a host
+        ({"resources": V4_16, "overrides": {**TINY, "env.num_envs": 4}}, "env.num_envs"),  # 4 envs, 8 chips
+        ({"overrides": {**TINY, "run.tpu_topology": "2x2x2", "run.tpu_version": "v4"}}, "run.tpu_topology"),
+        ({"search": {"run.tpu_topology": {"grid": ["2x2x2"]}}}, "search.run.tpu_topology"),
         ({"resources": {"devices": 3}, "overrides": {**TINY, "env.num_envs": 4}}, "env.num_envs"),
         ({"samples": 0}, "samples"),
         ({"base": "no_such_preset"}, "base"),
@@ -357,6 +373,151 @@ def test_a_trial_of_two_hosts_runs_through_the_ray_layer(tmp_path, ray_session):
     assert events[0]["event"] == "start" and events[0]["hosts"] == 2 and events[-1]["event"] == "finish"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["env_steps"] == 2048
+
+
+# --------------------------------------------------------------------------------------------------
+# Trials on TPU slices (conftest's fake v4-16 slice: JAX does not run there, placement does)
+
+
+def test_a_tpu_slice_study_reserves_whole_slices(tmp_path, monkeypatch):
+    """resources.tpu_topology/tpu_version give each trial one slice: its hosts and chips per host follow
+    from the topology, each trial's program is a run on that slice (run.tpu_*), and the trial's
+    placement group asks for its own CPU bundle, then one bundle per host (the slice's head resource on
+    host 0's), all on one slice."""
+    spec = load_study(_write_study(tmp_path, resources=V4_16))
+    r = spec.resources
+    assert (r.accelerator, r.hosts, r.devices, r.tpu_topology, r.tpu_version) == ("tpu", 2, 4, "2x2x2", "v4")
+    config = spec_lib.trial_config(spec.base_config, {}, r)
+    assert (config.run.tpu_topology, config.run.tpu_version, config.run.hosts) == ("2x2x2", "v4", 1)
+    assert config.run.cpu_devices == 0
+    assert spec_lib.total_env_steps(config, 8) == 2048  # the batch splits over 2 hosts x 4 chips
+    hosts_path = []
+    monkeypatch.setattr(trainable, "_launch_hosts", lambda *args: hosts_path.append(args) or "hosts")
+    assert trainable.launch(config, tmp_path / "run", False, sink=None) == "hosts"  # through the Ray layer
+    request = study_lib.resource_request(r)
+    assert request.bundles == [{"CPU": 1.0}, {"TPU": 4.0, "TPU-v4-16-head": 1.0}, {"TPU": 4.0}]
+    assert request.required_resources == {"CPU": 1.0, "TPU": 8.0, "TPU-v4-16-head": 1.0}
+    kwargs = r.placement_options()  # with the bundles, what Tune's placement group is made of
+    assert kwargs["strategy"] is None  # topology_strategy replaces it
+    assert kwargs["topology_strategy"] == {"ray.io/tpu-slice-name": "STRICT_PACK"}
+    assert kwargs["bundle_label_selector"] == [
+        {},
+        {"ray.io/tpu-pod-type": "v4-16", "ray.io/tpu-worker-id": "0"},
+        {"ray.io/tpu-pod-type": "v4-16"},
+    ]
+    # The study directory's study.yaml (read back by --resume) keeps the slice; the same slice in the base
+    # config is accepted.
+    assert parse.from_dict(spec.to_dict()).resources == r
+    same = load_study(
+        _write_study(
+            tmp_path, resources=V4_16, overrides={**TINY, "run.tpu_topology": "2x2x2", "run.tpu_version": "v4"}
+        )
+    )
+    assert same.resources == r
+    # Other studies keep their plain request.
+    assert study_lib.resource_request(load_study(_write_study(tmp_path)).resources).strategy == "PACK"
+
+
+def _bundle_nodes(pg) -> list[str]:
+    from ray.util.placement_group import placement_group_table
+
+    table = placement_group_table(pg)
+    return [table["bundles_to_node_id"][i] for i in range(len(table["bundles_to_node_id"]))]
+
+
+def test_a_tpu_trial_places_one_host_worker_per_host_of_its_slice(tmp_path, ray_session):
+    """The trial's placement group (as Tune creates it) lands on the fake slice: every bundle on one
+    slice, host bundle i on TPU worker i; a second trial's group waits (the slice's head resource is
+    taken), so Tune runs as many TPU trials as there are slices. From inside the trial's bundle, the Ray
+    layer places one host worker per TPU host in the trial's bundles, ordered by TPU worker id, and
+    stopping the group leaves the trial's reservation alone."""
+    import ray
+    from ray.util.placement_group import placement_group_table, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    spec = load_study(_write_study(tmp_path, resources=V4_16))
+    config = spec_lib.trial_config(spec.base_config, {}, spec.resources)
+    request = study_lib.resource_request(spec.resources)
+    labels = {n["NodeID"]: n.get("Labels") or {} for n in ray.nodes() if n.get("Alive")}
+    pg = request.to_placement_group()
+    other = None
+    try:
+        assert ray.wait([pg.ready()], timeout=60)[0], "the trial's placement group was not placed"
+        nodes = _bundle_nodes(pg)
+        assert {labels[n].get("ray.io/tpu-slice-name") for n in nodes} == {FAKE_TPU_SLICE["name"]}
+        assert [labels[n]["ray.io/tpu-worker-id"] for n in nodes[1:]] == ["0", "1"]
+        other = request.to_placement_group()
+        assert not ray.wait([other.ready()], timeout=2)[0], "a second trial got a slice the cluster lacks"
+
+        @ray.remote(num_cpus=1)
+        def place_hosts_from_the_trial(config):
+            group = HostGroup.place(config, timeout_s=60, placement=trainable.host_placement())
+            try:
+                return ray.get_runtime_context().get_node_id(), group.nodes
+            finally:
+                group.stop()
+
+        # As Tune starts a trial: in bundle 0, its children captured by the trial's group.
+        strategy = PlacementGroupSchedulingStrategy(pg, 0, placement_group_capture_child_tasks=True)
+        ref = place_hosts_from_the_trial.options(scheduling_strategy=strategy).remote(config)
+        trial_node, hosts = ray.get(ref, timeout=60)
+        assert trial_node == nodes[0]
+        assert [h["node_id"] for h in hosts] == nodes[1:]  # one host worker per host bundle, no other node
+        assert [h["tpu_worker_id"] for h in hosts] == ["0", "1"]  # JAX process i is TPU worker i
+        assert {h["tpu_name"] for h in hosts} == {FAKE_TPU_SLICE["name"]}
+        assert placement_group_table(pg)["state"] == "CREATED"  # the trial's reservation is not the group's
+    finally:
+        for group in (pg, other):
+            if group is not None:
+                remove_placement_group(group)
+
+
+def test_borrowed_slice_bundles_are_ordered_by_tpu_worker_id(tmp_path, ray_session):
+    """Whatever order the caller's bundles hold the hosts in, JAX process i runs on TPU worker i."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    spec = load_study(_write_study(tmp_path, resources=V4_16))
+    config = spec_lib.trial_config(spec.base_config, {}, spec.resources)
+    pod = {"ray.io/tpu-pod-type": FAKE_TPU_SLICE["pod_type"]}
+    pg = placement_group(
+        [{"CPU": 1}, {"TPU": 4}, {"TPU": 4}],  # host bundles: worker 1 first, then worker 0
+        bundle_label_selector=[{}, {**pod, "ray.io/tpu-worker-id": "1"}, {**pod, "ray.io/tpu-worker-id": "0"}],
+    )
+    try:
+        assert ray.wait([pg.ready()], timeout=60)[0]
+        nodes = _bundle_nodes(pg)
+        group = HostGroup.place(config, timeout_s=60, placement=(pg, 1))
+        try:
+            assert [h["tpu_worker_id"] for h in group.nodes] == ["0", "1"]
+            assert [h["node_id"] for h in group.nodes] == [nodes[2], nodes[1]]
+        finally:
+            group.stop()
+    finally:
+        remove_placement_group(pg)
+
+
+def test_a_tpu_study_is_rejected_without_a_slice_for_it(tmp_path, ray_session):
+    import ray
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    fits = load_study(_write_study(tmp_path, resources=V4_16))
+    study_lib.check_cluster(fits)  # the fake v4-16 slice is there
+    lost_host = [
+        dict(n, Alive=False) if (n.get("Labels") or {}).get("ray.io/tpu-worker-id") == "1" else n for n in alive
+    ]
+    with pytest.raises(
+        ConfigError, match=r"^resources\.tpu_topology: .* no complete slice .* pod types of its TPU hosts: v4-16;"
+    ):
+        spec_lib.check_cluster(fits, lost_host)
+    for resources, field in [
+        ({**V4_16, "tpu_topology": "2x2x4"}, "resources.tpu_topology"),  # v4-32: 4 hosts; the cluster has v4-16
+        ({**V4_16, "cpus": 2}, "resources.cpus"),  # the trial runs on a slice host; they have 1 CPU each
+    ]:
+        spec = load_study(_write_study(tmp_path, resources=resources))
+        with pytest.raises(ConfigError, match=f"^{field}: "):
+            run_study(spec, storage=tmp_path / "storage", name="no_slice", verbose=0)
+        assert not (tmp_path / "storage" / "no_slice").exists()
 
 
 class _InterruptOnce(tune.Callback):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from podray import config as config_lib
+from podray.cluster import tpu
 
 
 class ClusterError(RuntimeError):
@@ -125,72 +126,72 @@ class HostGroup:
 
     @classmethod
     def place(cls, config: config_lib.Config, timeout_s: float = 120.0, placement: tuple | None = None) -> "HostGroup":
-        """Places one host worker per host (without starting JAX in them).
+        """Places one host worker per host (without starting JAX in them): `run.hosts` workers of 1 CPU
+        each on CPU; on a TPU slice (run.tpu_topology) one worker per TPU host holding that host's
+        chips, JAX process i on TPU worker i.
 
         Args:
-          placement: (placement group, first bundle index) to place the workers into bundles that the
-            caller reserved (a multi-host Tune trial reserves them with its own bundle); kept on stop().
+          placement: (placement group, first bundle index): bundles the caller reserved, one per host
+            from that index, kept on stop(). A multi-host Tune trial reserves them with its own bundle;
+            on TPU they must be the hosts of one slice (podray.cluster.tpu says how to ask for them).
+            None: the group reserves its own (a slice with ray.util.tpu.slice_placement_group) and
+            releases it on stop().
         """
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         Worker = _remote_worker()
         r = config.run
+        borrowed = placement is not None
+        tpu_slice = None
         if r.tpu_topology:
-            from ray.util.tpu import slice_placement_group
+            shape = tpu.slice_shape(r.tpu_topology, r.tpu_version)
+            n, cpu_devices, options = shape.hosts, 0, {"num_cpus": 0, "resources": {"TPU": shape.chips_per_host}}
+        else:
+            n, cpu_devices, options = r.hosts, r.cpu_devices, {"num_cpus": 1}
+        if not borrowed:
+            if r.tpu_topology:
+                from ray.util.tpu import slice_placement_group
 
-            # Ray reserves the slice through its TPU-<pod>-head resource and gang-schedules one
-            # bundle per TPU host of that slice (the ray.io/tpu-slice-name label).
-            tpu_slice = slice_placement_group(topology=r.tpu_topology, accelerator_version=r.tpu_version)
-            pg = tpu_slice.placement_group
-            _wait_placement(pg, timeout_s, f"a TPU slice {r.tpu_version} {r.tpu_topology}")
-            n, resources = tpu_slice.num_hosts, tpu_slice.bundle_resources
-            workers = [
+                # Ray reserves the slice through its TPU-<pod>-head resource and gang-schedules one
+                # bundle per TPU host of that slice (the ray.io/tpu-slice-name label).
+                tpu_slice = slice_placement_group(topology=r.tpu_topology, accelerator_version=r.tpu_version)
+                what = f"a TPU slice {r.tpu_version} {r.tpu_topology}"
+                _wait_placement(tpu_slice.placement_group, timeout_s, what, release=tpu_slice.shutdown)
+                placement = (tpu_slice.placement_group, 0)
+            elif n == 1:
+                # One host: no placement group to wait for (the single-host default stays fast).
+                workers = [Worker.options(**options).remote(0, 1, cpu_devices)]
+                return cls(workers, ray.get([workers[0].node_info.remote()]))
+            else:
+                from ray.util.placement_group import placement_group
+
+                # PACK: fake hosts share one machine; on a CPU cluster Ray still spills onto more nodes.
+                pg = placement_group([{"CPU": 1}] * n, strategy="PACK")
+                _wait_placement(pg, timeout_s, f"{n} host workers of 1 CPU each")
+                placement = (pg, 0)
+        pg, first = placement
+
+        def start(bundles: list[int]) -> list:
+            return [
                 Worker.options(
-                    num_cpus=0,
-                    resources={k: v for k, v in resources.items() if k != "CPU"},
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                ).remote(i, n, 0)
-                for i in range(n)
+                    **options, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b)
+                ).remote(i, n, cpu_devices)
+                for i, b in enumerate(bundles)
             ]
-            nodes = ray.get([w.node_info.remote() for w in workers])
+
+        bundles = list(range(first, first + n))
+        workers = start(bundles)
+        nodes = ray.get([w.node_info.remote() for w in workers])
+        if r.tpu_topology:
             # JAX process i is TPU worker i, so that the global mesh follows the slice's topology.
             order = sorted(range(n), key=lambda i: int(nodes[i]["tpu_worker_id"] or i))
             if order != list(range(n)):
                 for w in workers:
                     ray.kill(w)
-                workers = [
-                    Worker.options(
-                        num_cpus=0,
-                        resources={k: v for k, v in resources.items() if k != "CPU"},
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=order[i]),
-                    ).remote(i, n, 0)
-                    for i in range(n)
-                ]
+                workers = start([bundles[i] for i in order])
                 nodes = ray.get([w.node_info.remote() for w in workers])
-            return cls(workers, nodes, placement=pg, tpu_slice=tpu_slice)
-        n = r.hosts
-        borrowed = placement is not None
-        if not borrowed:
-            if n == 1:
-                # One host: no placement group to wait for (the single-host default stays fast).
-                workers = [Worker.options(num_cpus=1).remote(0, 1, r.cpu_devices)]
-                return cls(workers, ray.get([workers[0].node_info.remote()]))
-            from ray.util.placement_group import placement_group
-
-            # PACK: fake hosts share one machine; on a CPU cluster Ray still spills onto more nodes.
-            pg = placement_group([{"CPU": 1}] * n, strategy="PACK")
-            _wait_placement(pg, timeout_s, f"{n} host workers of 1 CPU each")
-            placement = (pg, 0)
-        pg, first = placement
-        workers = [
-            Worker.options(
-                num_cpus=1,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + i),
-            ).remote(i, n, r.cpu_devices)
-            for i in range(n)
-        ]
-        return cls(workers, ray.get([w.node_info.remote() for w in workers]), placement=pg, borrowed=borrowed)
+        return cls(workers, nodes, placement=pg, tpu_slice=tpu_slice, borrowed=borrowed)
 
     def initialize(self) -> dict:
         """Starts JAX in every worker and joins them into one program (coordinator on host 0)."""
@@ -249,7 +250,8 @@ class HostGroup:
             remove_placement_group(self.placement)
 
 
-def _wait_placement(pg, timeout_s: float, what: str) -> None:
+def _wait_placement(pg, timeout_s: float, what: str, release: Callable[[], None] | None = None) -> None:
+    """Waits for `pg`; on timeout releases it (`release`, or removing the group) and raises ClusterError."""
     import ray
 
     try:
@@ -257,7 +259,7 @@ def _wait_placement(pg, timeout_s: float, what: str) -> None:
     except ray.exceptions.GetTimeoutError:
         from ray.util.placement_group import remove_placement_group
 
-        remove_placement_group(pg)
+        (release or (lambda: remove_placement_group(pg)))()
         raise ClusterError(
             f"Ray could not place {what} within {timeout_s:.0f} s; cluster resources: "
             f"{ray.cluster_resources()} (lower run.hosts, or add nodes)"

@@ -187,27 +187,76 @@ def _scheduler(data: Any) -> Scheduler:
 
 
 def _resources(data: Any) -> Resources:
-    data = _mapping("resources", data, ("cpus", "accelerator", "devices", "hosts"))
+    keys = ("cpus", "accelerator", "devices", "hosts", "tpu_topology", "tpu_version")
+    data = _mapping("resources", data, keys)
     cpus = _number("resources.cpus", data.get("cpus", 1))
-    accelerator = data.get("accelerator", "cpu")
-    devices = _number("resources.devices", data.get("devices", 1), integer=True)
-    hosts = _number("resources.hosts", data.get("hosts", 1), integer=True)
+    topology = str(data.get("tpu_topology") or "").strip()
+    version = str(data.get("tpu_version") or "").strip()
+    accelerator = data.get("accelerator", "tpu" if topology or version else "cpu")
     if cpus <= 0:
         raise ConfigError(f"resources.cpus: CPU cores per trial must be positive, got {cpus}")
     if accelerator not in ACCELERATORS:
         raise ConfigError(
             f"resources.accelerator: '{accelerator}' is not valid; choose one of {', '.join(ACCELERATORS)}"
         )
+    if topology or version:
+        return _tpu_slice_resources(data, cpus, accelerator, topology, version)
+    devices = _number("resources.devices", data.get("devices", 1), integer=True)
+    hosts = _number("resources.hosts", data.get("hosts", 1), integer=True)
     if devices < 1:
         raise ConfigError(f"resources.devices: devices per trial must be >= 1, got {devices}")
     if hosts < 1:
         raise ConfigError(f"resources.hosts: hosts per trial must be >= 1, got {hosts}")
+    if hosts > 1 and accelerator == "tpu":
+        raise ConfigError(
+            f"resources.hosts: a trial of {hosts} TPU hosts runs on one TPU slice; give the slice instead of "
+            "hosts, e.g. resources: {accelerator: tpu, tpu_topology: 2x2x2, tpu_version: v4} (2 hosts of 4 chips)"
+        )
     if hosts > 1 and accelerator != "cpu":
         raise ConfigError(
             f"resources.hosts: {hosts} {accelerator} hosts per trial are not wired yet (multi-host trials place "
-            "CPU host workers through the Ray layer); use hosts: 1, or accelerator: cpu"
+            "CPU host workers, or the hosts of one TPU slice, through the Ray layer); use hosts: 1, or "
+            "accelerator: cpu"
         )
     return Resources(cpus=cpus, accelerator=accelerator, devices=devices, hosts=hosts)
+
+
+def _tpu_slice_resources(data: dict, cpus: float, accelerator: str, topology: str, version: str) -> Resources:
+    """A trial on one whole TPU slice: hosts and devices follow from the slice; given ones must agree."""
+    if accelerator != "tpu":
+        raise ConfigError(
+            f"resources.accelerator: tpu_topology and tpu_version give each trial a TPU slice; use accelerator: "
+            f"tpu (or leave it out), not {accelerator}"
+        )
+    if not topology or not version:
+        missing = "tpu_version" if topology else "tpu_topology"
+        raise ConfigError(
+            f"resources.{missing}: tpu_topology and tpu_version go together, e.g. "
+            "{accelerator: tpu, tpu_topology: 2x2x2, tpu_version: v4}"
+        )
+    from podray.cluster import tpu
+
+    shape = tpu.slice_shape(topology, version, where="resources")
+    hosts = _number("resources.hosts", data.get("hosts", shape.hosts), integer=True)
+    if hosts != shape.hosts:
+        raise ConfigError(
+            f"resources.hosts: a trial takes the whole {shape.describe()}, so {shape.hosts} hosts, not {hosts}; "
+            f"leave hosts out, or choose the tpu_topology of {hosts} hosts"
+        )
+    devices = _number("resources.devices", data.get("devices", shape.chips_per_host), integer=True)
+    if devices != shape.chips_per_host:
+        raise ConfigError(
+            f"resources.devices: a trial on a {shape.describe()} uses all {shape.chips_per_host} chips of each "
+            f"host, not {devices}; leave devices out"
+        )
+    return Resources(
+        cpus=cpus,
+        accelerator="tpu",
+        devices=shape.chips_per_host,
+        hosts=shape.hosts,
+        tpu_topology=shape.topology,
+        tpu_version=shape.version,
+    )
 
 
 def load_study(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) -> StudySpec:
@@ -290,6 +339,7 @@ def from_dict(data: Any, overrides: typing.Sequence[str] = (), source: str = "")
             "checkpoint_every: PBT exploits through the latest checkpoint; use 1 (a checkpoint per report)"
         )
     resources = _resources(data.get("resources"))
+    _check_base_slice(base_config, resources)
     plot = _mapping("plot", data.get("plot"), ("batch", "depth"))
     batch_fields = plot.get("batch")
     if isinstance(batch_fields, str):
@@ -320,6 +370,26 @@ def from_dict(data: Any, overrides: typing.Sequence[str] = (), source: str = "")
     )
     check_trials(spec)
     return spec
+
+
+def _check_base_slice(config: config_lib.Config, resources: Resources) -> None:
+    """A study sets each trial's TPU slice through `resources`; a base config asking for another slice
+    (run.tpu_topology/run.tpu_version of the preset, overrides or --set) would be silently replaced."""
+    r = config.run
+    if not (r.tpu_topology or r.tpu_version):
+        return
+    if r.tpu_topology and r.tpu_version and resources.tpu_topology:
+        from podray.cluster import tpu
+
+        base = tpu.slice_shape(r.tpu_topology, r.tpu_version, where="run")
+        if (base.topology, base.version) == (resources.tpu_topology, resources.tpu_version):
+            return  # the same slice, said twice
+    raise ConfigError(
+        f"run.tpu_topology: the base config asks for a TPU slice ({r.tpu_topology or '-'}, "
+        f"{r.tpu_version or '-'}); a study gives each trial its slice through resources: set "
+        f"resources: {{accelerator: tpu, tpu_topology: {r.tpu_topology or '...'}, tpu_version: "
+        f"{r.tpu_version or '...'}}} and drop run.tpu_topology / run.tpu_version from the base, overrides and --set"
+    )
 
 
 def _default_batch_field(config: config_lib.Config) -> str:

@@ -15,6 +15,18 @@ trial it can produce, made before Ray starts a trial.
     concurrency: 2
     resources: {cpus: 1, accelerator: cpu, devices: 1, hosts: 1}
 
+A trial can span several hosts (podray.tuning.trainable.launch runs it through the Ray layer):
+
+    resources: {accelerator: cpu, devices: 2, hosts: 2}                # 2 CPU host workers of 2 fake devices
+    resources: {accelerator: tpu, tpu_topology: 2x2x2, tpu_version: v4}  # one whole v4-16 slice per trial
+
+A TPU slice sets `hosts` and `devices` (its hosts, chips per host; given values must agree). The trial's
+placement group holds its own CPU bundle plus one bundle per host of the slice, the first with the
+slice's TPU-<pod type>-head resource (so Tune runs at most as many trials as the cluster has slices),
+all kept on one slice by Ray's topology-aware scheduling (podray.cluster.tpu). The slice is set through
+`resources` only: a base config with other run.tpu_topology / run.tpu_version is rejected. `hosts > 1`
+without a slice is for CPU hosts only (not GPU).
+
 Every trial a study can produce is checked by building its Config with podray.config and validating
 it (and its device split): every grid and choice value, and both ends of every range. A bad field,
 distribution, value or resource is a ConfigError naming it, raised before Ray is touched.
@@ -67,8 +79,18 @@ SHAPE_FREE_FIELDS = (
 """Fields PBT may mutate: they change no array shape and no pytree structure of the program state, so
 one trial's checkpoint restores into another trial's program (which recompiles with the new values)."""
 
-TUNE_OWNED_FIELDS = ("run.run_dir", "run.devices", "run.cpu_devices", "run.checkpoint_every", "run.progress")
-"""Set by podray tune for each trial (run directory, devices from `resources`, a checkpoint per report)."""
+TUNE_OWNED_FIELDS = (
+    "run.run_dir",
+    "run.devices",
+    "run.cpu_devices",
+    "run.hosts",
+    "run.tpu_topology",
+    "run.tpu_version",
+    "run.checkpoint_every",
+    "run.progress",
+)
+"""Set by podray tune for each trial (run directory; devices, hosts and TPU slice from `resources`; a
+checkpoint per report)."""
 
 BATCH_FIELDS = (
     "env.envs_per_device",
@@ -142,33 +164,68 @@ class Resources:
     """What each trial reserves.
 
     Attributes:
-      cpus: CPU cores Ray reserves per trial.
+      cpus: CPU cores Ray reserves per trial (for the trial's own process).
       accelerator: 'cpu' (the trial fakes `devices` CPU devices), 'gpu' or 'tpu'.
       devices: devices per host a trial uses: GPUs, TPU chips, or fake CPU devices.
       hosts: hosts per trial; more than 1 runs the trial through the Ray layer (podray.cluster): one
-        host worker per host, joined into one multi-host JAX program, each in a bundle of 1 CPU of the
-        trial's placement group (CPU hosts only for now).
+        host worker per host, joined into one multi-host JAX program. CPU hosts: each worker in a
+        bundle of 1 CPU of the trial's placement group. TPU: the hosts of one slice (below).
+      tpu_topology, tpu_version: a trial takes one whole TPU slice of this topology and generation
+        (e.g. 2x2x2, v4); `hosts` and `devices` are then the slice's hosts and chips per host.
     """
 
     cpus: float = 1.0
     accelerator: str = "cpu"
     devices: int = 1
     hosts: int = 1
+    tpu_topology: str = ""
+    tpu_version: str = ""
+
+    def tpu_slice(self):
+        """The trial's TPU slice (a podray.cluster.tpu.SliceShape), or None."""
+        if not self.tpu_topology:
+            return None
+        from podray.cluster import tpu
+
+        return tpu.slice_shape(self.tpu_topology, self.tpu_version, where="resources")
 
     def ray_bundle(self) -> dict[str, float]:
         """The trial's own bundle (for a multi-host trial: the process that drives its host workers)."""
         bundle = {"CPU": float(self.cpus)}
         if self.accelerator == "gpu":
             bundle["GPU"] = float(self.devices)
-        elif self.accelerator == "tpu":
+        elif self.accelerator == "tpu" and not self.tpu_topology:
             bundle["TPU"] = float(self.devices)
         return bundle
 
     def ray_bundles(self) -> list[dict[str, float]]:
-        """Every bundle of a trial's placement group: its own, then one per host worker (hosts > 1)."""
+        """Every bundle of a trial's placement group: its own, then one per host worker (hosts > 1, or a
+        TPU slice: each host's chips, the slice's head resource on host 0's, see podray.cluster.tpu)."""
+        shape = self.tpu_slice()
+        if shape is not None:
+            from podray.cluster import tpu
+
+            return [self.ray_bundle()] + tpu.host_bundles(shape)
         if self.hosts == 1:
             return [self.ray_bundle()]
         return [self.ray_bundle()] + [{"CPU": 1.0}] * self.hosts
+
+    def placement_options(self) -> dict[str, Any]:
+        """The rest of the trial's placement-group request (tune.PlacementGroupFactory's keywords).
+
+        A TPU slice trial: every bundle on one slice (topology_strategy, Ray's alpha topology-aware
+        scheduling; it replaces `strategy`), host bundles on hosts of the slice's pod type, the first
+        on worker 0. The trial's own bundle then runs on a host of its slice too. Others: PACK."""
+        shape = self.tpu_slice()
+        if shape is None:
+            return {"strategy": "PACK"}
+        from podray.cluster import tpu
+
+        return {
+            "strategy": None,
+            "bundle_label_selector": [{}] + tpu.host_label_selectors(shape),
+            "topology_strategy": dict(tpu.ONE_SLICE),
+        }
 
 
 @dataclass
@@ -269,7 +326,13 @@ def trial_config(
     config.run.devices = []
     config.run.progress = False
     config.run.cpu_devices = resources.devices if resources.accelerator == "cpu" else 0
-    config.run.hosts = resources.hosts
+    if resources.tpu_topology:
+        # The Ray layer places one host worker per host of the slice; run.hosts stays 1 (podray.config).
+        config.run.tpu_topology = resources.tpu_topology
+        config.run.tpu_version = resources.tpu_version
+        config.run.hosts = 1
+    else:
+        config.run.hosts = resources.hosts
     config.run.checkpoint_every = report_every_updates(config) * checkpoint_every
     config_lib.validate(config)
     config_lib.validate_devices(config, resources.devices * resources.hosts)
@@ -381,26 +444,33 @@ def max_env_steps(spec: StudySpec) -> int:
     )
 
 
-def check_cluster(spec: StudySpec, nodes: typing.Sequence[dict[str, float]]) -> None:
-    """Rejects resources that no node of the Ray cluster can give a trial ('impossible resources').
+def check_cluster(spec: StudySpec, nodes: typing.Sequence[dict[str, Any]]) -> None:
+    """Rejects resources that the Ray cluster cannot give a trial ('impossible resources'), naming the
+    field and the fix.
 
     Args:
-      nodes: the resources of each alive node (ray.nodes()[i]["Resources"]).
+      nodes: the alive nodes, as ray.nodes() lists them ("Resources"; "Labels" for TPU slices).
     """
-    bundle = spec.resources.ray_bundle()
-    if spec.resources.hosts > 1:
-        need = sum(b["CPU"] for b in spec.resources.ray_bundles())
-        have = sum(node.get("CPU", 0.0) for node in nodes)
+    r = spec.resources
+    shape = r.tpu_slice()
+    if shape is not None:
+        _check_slices(r, shape, nodes)
+        return
+    resources = [node.get("Resources") or {} for node in nodes]
+    bundle = r.ray_bundle()
+    if r.hosts > 1:
+        need = sum(b["CPU"] for b in r.ray_bundles())
+        have = sum(node.get("CPU", 0.0) for node in resources)
         if need > have:
             raise ConfigError(
-                f"resources.hosts: a trial of {spec.resources.hosts} hosts needs {need:g} CPUs "
-                f"({spec.resources.cpus:g} for the trial, 1 per host worker), but the Ray cluster has {have:g}; "
+                f"resources.hosts: a trial of {r.hosts} hosts needs {need:g} CPUs "
+                f"({r.cpus:g} for the trial, 1 per host worker), but the Ray cluster has {have:g}; "
                 "lower resources.hosts or resources.cpus, or add nodes"
             )
-    if any(all(node.get(k, 0.0) >= v for k, v in bundle.items()) for node in nodes):
+    if any(all(node.get(k, 0.0) >= v for k, v in bundle.items()) for node in resources):
         return
     for name, need in bundle.items():
-        have = max((node.get(name, 0.0) for node in nodes), default=0.0)
+        have = max((node.get(name, 0.0) for node in resources), default=0.0)
         if need > have:
             key = "cpus" if name == "CPU" else "devices"
             raise ConfigError(
@@ -408,3 +478,27 @@ def check_cluster(spec: StudySpec, nodes: typing.Sequence[dict[str, float]]) -> 
                 f"cluster has {have:g}; lower resources.{key} or add a larger node"
             )
     raise ConfigError(f"resources: no node of the Ray cluster has all of {bundle} at once")
+
+
+def _check_slices(r: Resources, shape, nodes: typing.Sequence[dict[str, Any]]) -> None:
+    """A TPU trial needs a complete slice of its pod type, with a host that can also run the trial."""
+    from podray.cluster import tpu
+
+    slices = tpu.complete_slices(nodes, shape)
+    if not slices:
+        alive = [n for n in nodes if n.get("Alive", True)]
+        seen = sorted({(n.get("Labels") or {}).get(tpu.POD_TYPE_LABEL) for n in alive} - {None})
+        raise ConfigError(
+            f"resources.tpu_topology: a trial takes a {shape.describe()}, but the Ray cluster has no complete "
+            f"slice of that kind (every host alive, labelled {tpu.POD_TYPE_LABEL}={shape.pod_type} with its "
+            f"chips, worker 0 holding {shape.head_resource}); pod types of its TPU hosts: {', '.join(seen) or 'none'}; "
+            "start such a slice in the cluster, or set resources.tpu_topology and resources.tpu_version to a "
+            "slice it has"
+        )
+    most = max((n.get("Resources") or {}).get("CPU", 0.0) for hosts in slices.values() for n in hosts)
+    if most < r.cpus:
+        raise ConfigError(
+            f"resources.cpus: a TPU trial's own process runs on a host of its slice (its placement group "
+            f"keeps every bundle on one slice), but the hosts of the {shape.pod_type} slices have at most "
+            f"{most:g} CPUs; lower resources.cpus to {most:g} or less"
+        )

@@ -125,7 +125,7 @@ def connect(address: str | None = None) -> bool:
 def check_cluster(spec: spec_lib.StudySpec) -> None:
     import ray
 
-    spec_lib.check_cluster(spec, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+    spec_lib.check_cluster(spec, [n for n in ray.nodes() if n.get("Alive")])
 
 
 def _trainable(spec: spec_lib.StudySpec, study_dir: pathlib.Path):
@@ -138,8 +138,15 @@ def _trainable(spec: spec_lib.StudySpec, study_dir: pathlib.Path):
         runs_dir=str(study_dir / "runs"),
         compilation_cache=str(study_dir / "jax_cache"),
     )
-    bundles = spec.resources.ray_bundles()
-    return tune.with_resources(tune.with_parameters(run_trial, context=context), tune.PlacementGroupFactory(bundles))
+    return tune.with_resources(tune.with_parameters(run_trial, context=context), resource_request(spec.resources))
+
+
+def resource_request(resources: spec_lib.Resources):
+    """The trial's tune.PlacementGroupFactory: its own bundle, one per host worker, and (TPU slice) the
+    label selectors and topology strategy that keep the hosts on one slice (Resources.placement_options)."""
+    from ray import tune
+
+    return tune.PlacementGroupFactory(resources.ray_bundles(), **resources.placement_options())
 
 
 def trial_dirname(trial) -> str:

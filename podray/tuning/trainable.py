@@ -70,6 +70,12 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     # Before validation: it imports gymnax, which starts JAX's backends (then the count is fixed).
     if context.resources.accelerator == "cpu":
         host_lib.configure_cpu_devices(context.resources.devices)
+    elif context.resources.tpu_topology:
+        from podray.cluster.driver import pin_driver_jax_to_cpu
+
+        # This process runs on a host of the trial's slice, whose chips belong to the host workers: its
+        # own JAX (validation) must not open the TPU.
+        pin_driver_jax_to_cpu()
     if context.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", context.compilation_cache)
     trial = spec_lib.trial_config(context.base_config, config, context.resources, context.checkpoint_every)
@@ -91,14 +97,16 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
 def launch(config: config_lib.Config, run_dir: pathlib.Path, resume: bool, sink) -> Any:
     """Runs a trial's podray run; returns host 0's summary. The seam between Tune and podray.
 
-    One host (run.hosts == 1): podray.training.train in this process (the trial's Ray actor) on the
-    devices Ray gave it, with `sink` as an extra metrics sink. Several hosts: the Ray layer
-    (podray.cluster) places one host worker per host in the bundles after the trial's own in its
-    placement group, joins them into one multi-host JAX program and restarts them from the latest
-    checkpoint if one is lost; host 0 writes the run directory, and this process forwards each new row
-    of its metrics.jsonl to `sink` (tune.report must be called here, in the trial's process).
+    One host (run.hosts == 1, no TPU slice): podray.training.train in this process (the trial's Ray
+    actor) on the devices Ray gave it, with `sink` as an extra metrics sink. Several hosts, or a TPU
+    slice (run.tpu_topology): the Ray layer (podray.cluster) places one host worker per host in the
+    bundles after the trial's own in its placement group (on TPU: the hosts of the slice the trial
+    reserved, worker i on TPU worker i), joins them into one multi-host JAX program and restarts them
+    from the latest checkpoint if one is lost; host 0 writes the run directory, and this process
+    forwards each new row of its metrics.jsonl to `sink` (tune.report must be called here, in the
+    trial's process).
     """
-    if config.run.hosts == 1:
+    if config.run.hosts == 1 and not config.run.tpu_topology:
         from podray.training import train
 
         return train(config, run_dir=run_dir, resume=resume, extra_sinks=[sink])
@@ -108,13 +116,9 @@ def launch(config: config_lib.Config, run_dir: pathlib.Path, resume: bool, sink)
 def _launch_hosts(config: config_lib.Config, run_dir: pathlib.Path, resume: bool, sink, poll_s: float = 0.5) -> Any:
     import threading
 
-    from ray.util import get_current_placement_group
-
     from podray.cluster import driver
 
-    placement = get_current_placement_group()
-    if placement is None:
-        raise RuntimeError("a multi-host trial runs inside a Tune trial's placement group (podray tune places it)")
+    placement = host_placement()
     steps = orbax_steps(run_dir / "checkpoints")
     forwarded = steps[-1] if resume and steps else 0  # rows up to the restored step were reported before
     outcome: dict[str, Any] = {}
@@ -123,7 +127,7 @@ def _launch_hosts(config: config_lib.Config, run_dir: pathlib.Path, resume: bool
         try:
             tags = {"run": config.name, "replica": run_dir.name}
             outcome["results"] = driver._run_group(
-                config, run_dir, resume, tags, False, None, lambda s: print(s, flush=True), placement=(placement, 1)
+                config, run_dir, resume, tags, False, None, lambda s: print(s, flush=True), placement=placement
             )
         except BaseException as e:  # re-raised in the trial's thread below
             outcome["error"] = e
@@ -151,6 +155,18 @@ def _launch_hosts(config: config_lib.Config, run_dir: pathlib.Path, resume: bool
     if "error" in outcome:
         raise outcome["error"]
     return outcome["results"][0]
+
+
+def host_placement() -> tuple:
+    """(placement group, first bundle index) of the host workers' bundles, in the placement group of the
+    trial calling it: bundle 0 is the trial's own (this process), one bundle per host follows
+    (podray.tuning.spec.Resources.ray_bundles)."""
+    from ray.util import get_current_placement_group
+
+    placement = get_current_placement_group()
+    if placement is None:
+        raise RuntimeError("a multi-host trial runs inside a Tune trial's placement group (podray tune places it)")
+    return placement, 1
 
 
 # --------------------------------------------------------------------------------------------------
