@@ -60,6 +60,12 @@ class NetworkConfig:
     """Activation of the dense layers: 'tanh' or 'relu'."""
     shared_torso: bool = False
     """One torso for policy and value (True) or one each (False)."""
+    chunk_rows: int = -1
+    """Rows of a batch that a pixel torso (nature_cnn, impala_resnet) takes at a time; the result is
+    the same, only the order of the float sums changes. -1 chooses by backend: 32 on CPU, where a
+    conv's activations for a whole learner batch spill out of the caches (Nature-CNN's gradient at
+    672 rows runs about 3x faster in chunks; docs/benchmarks.md), else the whole batch. 0 means the
+    whole batch."""
 
 
 @dataclass
@@ -391,6 +397,10 @@ def validate(config: Config) -> None:
     _choice("network.activation", n.activation, ACTIVATIONS)
     _positive("network.depth", n.depth)
     _positive("network.width", n.width)
+    if n.chunk_rows < -1:
+        raise ConfigError(
+            f"network.chunk_rows: must be -1 (by backend), 0 (whole batch) or a positive row count, got {n.chunk_rows}"
+        )
     a = config.agent
     _choice("agent.name", a.name, AGENTS)
     _choice("agent.optimizer", a.optimizer, OPTIMIZERS)

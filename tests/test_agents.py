@@ -113,6 +113,25 @@ def test_networks_output_shapes_and_depth(torso, shape, dtype):
     assert counts[1] > counts[0]  # depth is a real knob
 
 
+@pytest.mark.parametrize("torso", ["nature_cnn", "impala_resnet"])
+def test_pixel_torso_in_chunks_matches_the_whole_batch(torso):
+    """network.chunk_rows changes how many rows a conv takes at a time, not the parameters, outputs or
+    gradients (float sums in another order)."""
+    obs = jax.random.randint(jax.random.PRNGKey(1), (3, 5, 84, 84, 4), 0, 255).astype(jnp.uint8)
+
+    def run(rows):
+        config = NetworkConfig(torso=torso, depth=1, width=32, chunk_rows=rows)
+        net = ActorCritic(config=config, num_actions=6, obs_rank=3)
+        params = net.init(jax.random.PRNGKey(0), obs[0])
+        loss = lambda p: jnp.sum(net.apply(p, obs).logits ** 2) + jnp.sum(net.apply(p, obs).value)  # noqa: E731
+        return params, jax.jit(net.apply)(params, obs), jax.jit(jax.grad(loss))(params)
+
+    whole, chunked = run(0), run(4)  # 15 rows in pieces of 4, 4, 4, 3
+    assert jax.tree.structure(whole[0]) == jax.tree.structure(chunked[0])
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_separate_torsos_have_separate_parameters():
     shared = ActorCritic(config=NetworkConfig(shared_torso=True), num_actions=2)
     split = ActorCritic(config=dataclasses.replace(NetworkConfig(), shared_torso=False), num_actions=2)

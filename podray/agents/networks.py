@@ -133,6 +133,35 @@ def make_torso(config: NetworkConfig, obs_rank: int = 1) -> nn.Module:
     raise ValueError(f"network.torso: unknown torso {config.torso!r}")
 
 
+def chunk_rows(config: NetworkConfig) -> int:
+    """Rows per torso call (0: the whole batch); see NetworkConfig.chunk_rows."""
+    if config.torso == "mlp":
+        return 0
+    if config.chunk_rows >= 0:
+        return config.chunk_rows
+    return CPU_CHUNK_ROWS if jax.default_backend() == "cpu" else 0
+
+
+CPU_CHUNK_ROWS = 32
+
+
+def _in_chunks(torso: Callable[[chex.Array], chex.Array], x: chex.Array, obs_rank: int, rows: int) -> chex.Array:
+    """torso(x) over the leading axes of x, at most `rows` rows at a time (equal-sized pieces).
+
+    The pieces are unrolled, not scanned: on CPU a conv gradient inside a scan is many times slower
+    (jax-ml/jax#12868). Their weight gradients are summed by autodiff.
+    """
+    lead = x.shape[: x.ndim - obs_rank]
+    n = int(np.prod(lead))
+    if rows <= 0 or n <= rows:
+        return torso(x)
+    pieces = -(-n // rows)
+    size = -(-n // pieces)
+    flat = x.reshape((n,) + x.shape[len(lead) :])
+    out = jnp.concatenate([torso(flat[i : i + size]) for i in range(0, n, size)])
+    return out.reshape(lead + out.shape[1:])
+
+
 class ActorCritic(nn.Module):
     """Policy logits and state value from observations [..., *obs_shape].
 
@@ -147,11 +176,20 @@ class ActorCritic(nn.Module):
 
     @nn.compact
     def __call__(self, obs: chex.Array) -> ActorCriticOutput:
-        x = obs.astype(jnp.float32)
-        if obs.dtype == jnp.uint8:
-            x = x / 255.0
-        policy_features = make_torso(self.config, self.obs_rank)(x)
-        value_features = policy_features if self.config.shared_torso else make_torso(self.config, self.obs_rank)(x)
+        def scaled(torso: nn.Module) -> Callable[[chex.Array], chex.Array]:
+            def features(o: chex.Array) -> chex.Array:
+                x = o.astype(jnp.float32)
+                return torso(x / 255.0 if o.dtype == jnp.uint8 else x)
+
+            return features
+
+        rows = chunk_rows(self.config)
+        policy_features = _in_chunks(scaled(make_torso(self.config, self.obs_rank)), obs, self.obs_rank, rows)
+        value_features = (
+            policy_features
+            if self.config.shared_torso
+            else _in_chunks(scaled(make_torso(self.config, self.obs_rank)), obs, self.obs_rank, rows)
+        )
         logits = _dense(self.num_actions, scale=0.01)(policy_features)
         value = _dense(1, scale=1.0)(value_features)[..., 0]
         return ActorCriticOutput(logits=logits, value=value)
