@@ -83,7 +83,18 @@ class NatureCNN(nn.Module):
     @nn.compact
     def __call__(self, x: chex.Array) -> chex.Array:
         for features, kernel, stride in ((32, 8, 4), (64, 4, 2), (64, 3, 1)):
-            x = nn.relu(nn.Conv(features, (kernel, kernel), (stride, stride), padding="VALID")(x))
+            # Orthogonal init with gain sqrt(2), as the Dense layers (and the usual Atari agents): flax's
+            # default (lecun normal) halves the activations' variance at each ReLU layer, and Pong's
+            # frames differ in a few pixels only, so the torso's features started almost constant.
+            conv = nn.Conv(
+                features,
+                (kernel, kernel),
+                (stride, stride),
+                padding="VALID",
+                kernel_init=nn.initializers.orthogonal(np.sqrt(2)),
+                bias_init=nn.initializers.zeros,
+            )
+            x = nn.relu(conv(x))
         x = x.reshape(x.shape[:-3] + (-1,))
         for _ in range(self.depth):
             x = nn.relu(_dense(self.width)(x))
