@@ -261,27 +261,32 @@ def _table(rows: list[Row]) -> str:
 
 
 def plot(rows: list[Row], path: str | pathlib.Path) -> None:
-    """frames/s (solid) and the sequential bound (dashed) against actor batch size, one line per setting."""
+    """frames/s (solid) and the sequential bound (dashed) against actor batch size: one panel per torso,
+    one line per (threads, split)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    groups: dict[tuple, list[Row]] = {}
-    for r in rows:
-        groups.setdefault((r.torso, r.threads_per_actor_device, r.split), []).append(r)
-    for (torso, threads, split), group in sorted(groups.items()):
-        group.sort(key=lambda r: r.actor_batch_size)
-        x = [r.actor_batch_size for r in group]
-        (line,) = ax.plot(x, [r.frames_per_s for r in group], "o-", label=f"{torso}, {threads} thr, {split}")
-        ax.plot(x, [r.ceiling_frames_per_s for r in group], "--", color=line.get_color(), alpha=0.6)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("actor batch size (envs per actor thread)")
-    ax.set_ylabel("frames/s (Pong-v5, frame skip 4)")
-    ax.set_title("Sebulba IMPALA on CPU: measured (solid) vs sequential bound (dashed)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    torsos = sorted({r.torso for r in rows})
+    fig, axes = plt.subplots(1, len(torsos), figsize=(6 * len(torsos), 4.5), squeeze=False)
+    for ax, torso in zip(axes[0], torsos):
+        groups: dict[tuple, list[Row]] = {}
+        for r in rows:
+            if r.torso == torso:
+                groups.setdefault((r.threads_per_actor_device, r.split), []).append(r)
+        for (threads, split), group in sorted(groups.items()):
+            group.sort(key=lambda r: r.actor_batch_size)
+            x = [r.actor_batch_size for r in group]
+            (line,) = ax.plot(x, [r.frames_per_s for r in group], "o-", label=f"{threads} thr, {split}")
+            ax.plot(x, [r.ceiling_frames_per_s for r in group], "--", color=line.get_color(), alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("actor batch size (envs per actor thread)")
+        ax.set_ylabel("frames/s (Pong-v5, frame skip 4)")
+        ax.set_title(f"{torso}: measured (solid) vs sequential bound (dashed)", fontsize=10)
+        ax.legend(fontsize=8, loc="lower right")
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
