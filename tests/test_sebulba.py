@@ -88,7 +88,7 @@ def test_ppo_learns_cartpole_from_envpool(tmp_path):
         "agent.learning_rate=2.5e-3",
         "agent.epochs=4",
         "agent.num_minibatches=4",
-        "total_env_steps=200000",
+        "total_env_steps=300000",  # 200k reached 400 on a quiet machine, but 369 once beside a training run
     )
     summary = train(config, run_dir=tmp_path)
     assert summary.final_mean_return >= 400, summary
