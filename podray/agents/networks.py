@@ -144,6 +144,9 @@ def make_torso(config: NetworkConfig, obs_rank: int = 1) -> nn.Module:
     raise ValueError(f"network.torso: unknown torso {config.torso!r}")
 
 
+CPU_CHUNK_ROWS = 32
+
+
 def chunk_rows(config: NetworkConfig) -> int:
     """Rows per torso call (0: the whole batch); see NetworkConfig.chunk_rows."""
     if config.torso == "mlp":
@@ -151,9 +154,6 @@ def chunk_rows(config: NetworkConfig) -> int:
     if config.chunk_rows >= 0:
         return config.chunk_rows
     return CPU_CHUNK_ROWS if jax.default_backend() == "cpu" else 0
-
-
-CPU_CHUNK_ROWS = 32
 
 
 def _in_chunks(torso: Callable[[chex.Array], chex.Array], x: chex.Array, obs_rank: int, rows: int) -> chex.Array:
@@ -173,6 +173,12 @@ def _in_chunks(torso: Callable[[chex.Array], chex.Array], x: chex.Array, obs_ran
     return out.reshape(lead + out.shape[1:])
 
 
+def _as_float(obs: chex.Array) -> chex.Array:
+    """float32 observations; uint8 pixels scaled to [0, 1]."""
+    x = obs.astype(jnp.float32)
+    return x / 255.0 if obs.dtype == jnp.uint8 else x
+
+
 class ActorCritic(nn.Module):
     """Policy logits and state value from observations [..., *obs_shape].
 
@@ -187,20 +193,13 @@ class ActorCritic(nn.Module):
 
     @nn.compact
     def __call__(self, obs: chex.Array) -> ActorCriticOutput:
-        def scaled(torso: nn.Module) -> Callable[[chex.Array], chex.Array]:
-            def features(o: chex.Array) -> chex.Array:
-                x = o.astype(jnp.float32)
-                return torso(x / 255.0 if o.dtype == jnp.uint8 else x)
+        def features() -> chex.Array:
+            torso = make_torso(self.config, self.obs_rank)
+            # Scaled per chunk, so that no float copy of the whole uint8 batch is made.
+            return _in_chunks(lambda o: torso(_as_float(o)), obs, self.obs_rank, chunk_rows(self.config))
 
-            return features
-
-        rows = chunk_rows(self.config)
-        policy_features = _in_chunks(scaled(make_torso(self.config, self.obs_rank)), obs, self.obs_rank, rows)
-        value_features = (
-            policy_features
-            if self.config.shared_torso
-            else _in_chunks(scaled(make_torso(self.config, self.obs_rank)), obs, self.obs_rank, rows)
-        )
+        policy_features = features()
+        value_features = policy_features if self.config.shared_torso else features()
         logits = _dense(self.num_actions, scale=0.01)(policy_features)
         value = _dense(1, scale=1.0)(value_features)[..., 0]
         return ActorCriticOutput(logits=logits, value=value)
