@@ -98,6 +98,10 @@ class AgentConfig:
     """Passes over each batch of experience (ppo; impala uses 1)."""
     num_minibatches: int = 4
     """Minibatches per epoch; must divide the per-device batch (rollout_length x envs per device)."""
+    normalize_advantages: bool = False
+    """Normalise the policy-gradient advantages over the batch (impala; ppo always does). With a
+    shared torso, IMPALA's raw advantages (about 0.1 on Atari with clipped rewards) make the policy
+    gradient small beside the value loss's, which then shapes the torso alone."""
     vtrace_lambda: float = 1.0
     """Lambda of the V-trace targets (impala)."""
     clip_rho_threshold: float = 1.0

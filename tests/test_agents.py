@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -191,3 +192,39 @@ def test_dense_gradient_matches_plain_dot(shape):
     want = jax.grad(f(jnp.matmul), argnums=(0, 1))(x, w)
     for g, e in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
+
+
+def test_normalize_uses_the_whole_batch_across_devices():
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from podray.agents.base import normalize
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (6, 8)) * 3.0 + 1.0
+    x = x.at[:, 4:].add(5.0)  # the two halves have different statistics
+    mesh = Mesh(np.asarray(jax.devices()[:2]), ("d",))
+    sharded = jax.shard_map(lambda y: normalize(y, "d"), mesh=mesh, in_specs=P(None, "d"), out_specs=P(None, "d"))(x)
+    expected = (x - x.mean()) / x.std()
+    np.testing.assert_allclose(sharded, expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(normalize(x), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_impala_normalized_advantages_ignore_the_reward_scale():
+    config = AgentConfig(name="impala", normalize_advantages=True, value_coef=0.0, entropy_coef=0.0)
+    agent = make_agent(config, NetworkConfig(), SPEC, num_updates=1)
+    params = agent.init(jax.random.PRNGKey(0)).params
+    # A zero value head: the V-trace advantages are then linear in the rewards.
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.zeros_like(x) if "Dense_1" in jax.tree_util.keystr(path) else x, params
+    )
+    traj = _trajectory(jax.random.PRNGKey(4))
+    out = agent.apply(params, traj.obs[:-1])
+    traj = traj.replace(actor_out=ActorOut(logits=out.logits, value=out.value))
+    scaled = traj.replace(reward=traj.reward * 100.0)
+
+    def flat_grad(a, t):
+        return jax.flatten_util.ravel_pytree(jax.grad(lambda p: a.loss(p, t)[0])(params))[0]
+
+    np.testing.assert_allclose(flat_grad(agent, scaled), flat_grad(agent, traj), rtol=1e-3, atol=1e-6)
+    raw = make_agent(dataclasses.replace(config, normalize_advantages=False), NetworkConfig(), SPEC, num_updates=1)
+    np.testing.assert_allclose(flat_grad(raw, scaled), 100.0 * flat_grad(raw, traj), rtol=1e-3, atol=1e-5)

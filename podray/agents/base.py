@@ -187,6 +187,13 @@ def shuffle(key: chex.PRNGKey, n: int, rounds: int = 2) -> chex.Array:
     return perm.astype(jnp.int32)
 
 
+def normalize(x: chex.Array, axis_name: AxisName = None, eps: float = 1e-8) -> chex.Array:
+    """(x - mean) / std, with the statistics of the whole batch across the named mesh axes."""
+    mean = mean_over(x.mean(), axis_name)
+    var = mean_over(jnp.square(x).mean(), axis_name) - jnp.square(mean)
+    return (x - mean) / (jnp.sqrt(jnp.maximum(var, 0.0)) + eps)
+
+
 def log_prob(logits: chex.Array, action: chex.Array) -> chex.Array:
     """log pi(action) for logits [..., A] and int actions [...]."""
     logp = jax.nn.log_softmax(logits)

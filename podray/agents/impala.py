@@ -13,13 +13,16 @@ import jax
 import jax.numpy as jnp
 import rlax
 
-from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob, mean_over
+from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob, mean_over, normalize
 
 
 class IMPALA(Agent):
     """V-trace actor-critic: policy gradient with V-trace advantages, V-trace value targets, entropy."""
 
-    def loss(self, params: Any, trajectory: Trajectory) -> tuple[chex.Array, dict[str, chex.Array]]:
+    def loss(
+        self, params: Any, trajectory: Trajectory, axis_name: AxisName = None
+    ) -> tuple[chex.Array, dict[str, chex.Array]]:
+        """The V-trace loss of a trajectory [T, B]; `axis_name` names the devices sharing the batch."""
         c = self.config
         out = self.apply(params, trajectory.obs)  # logits [T+1, B, A], value [T+1, B]
         logits = out.logits[:-1]
@@ -34,8 +37,11 @@ class IMPALA(Agent):
             out_axes=1,
         )(out.value[:-1], out.value[1:], trajectory.reward, c.discount * trajectory.discount, rho)
         ones = jnp.ones_like(trajectory.reward)
+        pg_advantage = vtrace.pg_advantage
+        if c.normalize_advantages:
+            pg_advantage = normalize(pg_advantage, axis_name)
         policy_loss = jax.vmap(rlax.policy_gradient_loss, in_axes=1)(
-            logits, trajectory.action, vtrace.pg_advantage, ones
+            logits, trajectory.action, pg_advantage, ones
         ).mean()
         value_loss = 0.5 * jnp.mean(jnp.square(vtrace.errors))
         entropy_loss = jax.vmap(rlax.entropy_loss, in_axes=1)(logits, ones).mean()
@@ -54,7 +60,7 @@ class IMPALA(Agent):
     ) -> tuple[TrainState, dict[str, chex.Array]]:
         """One gradient step on the batch; the key is unused (kept for the shared interface)."""
         del key
-        grads, metrics = jax.grad(self.loss, has_aux=True)(state.params, trajectory)
+        grads, metrics = jax.grad(self.loss, has_aux=True)(state.params, trajectory, axis_name)
         params, opt_state = self._apply_gradients(state, grads, axis_name)
         metrics = mean_over(metrics, axis_name)
         return TrainState(params=params, opt_state=opt_state, updates=state.updates + 1), metrics

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import rlax
 
-from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob, mean_over, shuffle
+from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob, mean_over, normalize, shuffle
 
 
 @chex.dataclass(frozen=True)
@@ -61,10 +61,7 @@ class PPO(Agent):
         c = self.config
         out = self.apply(params, batch.obs)
         new_log_prob = log_prob(out.logits, batch.action)
-        # Normalise advantages with statistics of the whole (cross-device) minibatch.
-        mean = mean_over(batch.advantage.mean(), axis_name)
-        var = mean_over(jnp.square(batch.advantage).mean(), axis_name) - jnp.square(mean)
-        advantage = (batch.advantage - mean) / (jnp.sqrt(jnp.maximum(var, 0.0)) + 1e-8)
+        advantage = normalize(batch.advantage, axis_name)  # statistics of the whole (cross-device) minibatch
         ratio = jnp.exp(new_log_prob - batch.old_log_prob)
         policy_loss = rlax.clipped_surrogate_pg_loss(ratio, advantage, c.clip_epsilon)
         value_clipped = batch.old_value + jnp.clip(out.value - batch.old_value, -c.clip_epsilon, c.clip_epsilon)
