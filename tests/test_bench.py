@@ -35,3 +35,20 @@ def test_bench_sebulba_measures_one_small_setting():
         assert getattr(row, name) > 0, name
     assert row.learner_updates >= 3
     assert abs(row.efficiency - row.frames_per_s / row.ceiling_frames_per_s) < 1e-9
+
+
+def test_learning_curve_plot_titles_itself_from_the_run_config(tmp_path, monkeypatch):
+    from podray.bench import sebulba_bench
+
+    rows = [{"env_steps": 1000 * i, "mean_return": -21.0 + i / 10} for i in range(1, 30)]
+    rows.insert(3, {"env_steps": 3500, "mean_return": None})  # reports without a finished episode
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "config.yaml").write_text("agent: {name: ppo}\nenv: {name: Pong-v5}\n")
+    titles = []
+    import matplotlib.axes
+
+    original = matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda ax, t, *a, **k: titles.append(t) or original(ax, t))
+    sebulba_bench.plot_learning_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert titles == ["Sebulba PPO on Pong-v5"]

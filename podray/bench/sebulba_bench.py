@@ -311,8 +311,13 @@ def main(
     return rows
 
 
-def plot_learning_curve(metrics_jsonl: str | pathlib.Path, path: str | pathlib.Path) -> None:
+def plot_learning_curve(
+    metrics_jsonl: str | pathlib.Path, path: str | pathlib.Path, title: str | None = None, smooth: int = 10
+) -> None:
     """Mean unclipped game score against frames, from a Sebulba run's metrics.jsonl.
+
+    Each report's score (dots) and its mean over the last `smooth` reports (line). The title defaults
+    to the agent and environment of the run's config.yaml, when it sits beside the metrics.
 
     python -c "from podray.bench import sebulba_bench as b; b.plot_learning_curve('RUN/metrics.jsonl', 'curve.png')"
     """
@@ -323,14 +328,28 @@ def plot_learning_curve(metrics_jsonl: str | pathlib.Path, path: str | pathlib.P
 
     from podray.metrics import read_jsonl
 
+    if title is None:
+        title = "Sebulba on Atari"
+        config_file = pathlib.Path(metrics_jsonl).with_name("config.yaml")
+        if config_file.exists():
+            import yaml
+
+            config = yaml.safe_load(config_file.read_text())
+            title = f"Sebulba {config['agent']['name'].upper()} on {config['env']['name']}"
     rows = [r for r in read_jsonl(metrics_jsonl) if r.get("mean_return") is not None]
     frame_skip = 4
+    frames = [r["env_steps"] * frame_skip / 1e6 for r in rows]
+    scores = np.asarray([r["mean_return"] for r in rows], np.float64)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["env_steps"] * frame_skip / 1e6 for r in rows], [r["mean_return"] for r in rows], "o-", ms=3)
+    ax.plot(frames, scores, "o", ms=2, alpha=0.4, label="report")
+    if len(scores) >= smooth:
+        mean = np.convolve(scores, np.ones(smooth) / smooth, mode="valid")
+        ax.plot(frames[smooth - 1 :], mean, "-", label=f"mean of last {smooth} reports")
     ax.set_xlabel("frames (millions)")
     ax.set_ylabel("mean episode return (unclipped)")
-    ax.set_title("Sebulba IMPALA on Pong-v5 (2 CPU cores, shared)")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
