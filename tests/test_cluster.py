@@ -74,6 +74,9 @@ def test_fake_tpu_slice_gets_one_worker_per_host(ray_cluster):
         # JAX process i is TPU worker i of the slice.
         assert [n["tpu_worker_id"] for n in group.nodes] == [str(i) for i in range(s["hosts"])]
         assert {n["tpu_name"] for n in group.nodes} == {s["name"]}
+        # The only slice is taken: a second group times out with a fix that names the slice fields.
+        with pytest.raises(ClusterError, match=r"could not place a TPU slice .* set run.tpu_topology"):
+            HostGroup.place(config, timeout_s=3)
     finally:
         group.stop()
 

@@ -155,9 +155,18 @@ class HostGroup:
 
                 # Ray reserves the slice through its TPU-<pod>-head resource and gang-schedules one
                 # bundle per TPU host of that slice (the ray.io/tpu-slice-name label).
-                tpu_slice = slice_placement_group(topology=r.tpu_topology, accelerator_version=r.tpu_version)
                 what = f"a TPU slice {r.tpu_version} {r.tpu_topology}"
-                _wait_placement(tpu_slice.placement_group, timeout_s, what, release=tpu_slice.shutdown)
+                fix = (
+                    f"free or add a {r.tpu_version} slice of topology {r.tpu_topology}, or set run.tpu_topology "
+                    "to a slice the cluster has"
+                )
+                try:
+                    tpu_slice = slice_placement_group(
+                        topology=r.tpu_topology, accelerator_version=r.tpu_version, head_reservation_timeout_s=timeout_s
+                    )
+                except TimeoutError:  # no free TPU-<pod>-head: every slice of this type is taken or absent
+                    raise _placement_error(what, timeout_s, fix) from None
+                _wait_placement(tpu_slice.placement_group, timeout_s, what, release=tpu_slice.shutdown, fix=fix)
                 placement = (tpu_slice.placement_group, 0)
             elif n == 1:
                 # One host: no placement group to wait for (the single-host default stays fast).
@@ -250,8 +259,15 @@ class HostGroup:
             remove_placement_group(self.placement)
 
 
-def _wait_placement(pg, timeout_s: float, what: str, release: Callable[[], None] | None = None) -> None:
-    """Waits for `pg`; on timeout releases it (`release`, or removing the group) and raises ClusterError."""
+def _wait_placement(
+    pg,
+    timeout_s: float,
+    what: str,
+    release: Callable[[], None] | None = None,
+    fix: str = "lower run.hosts, or add nodes",
+) -> None:
+    """Waits for `pg`; on timeout releases it (`release`, or removing the group) and raises ClusterError
+    whose message ends with `fix`."""
     import ray
 
     try:
@@ -260,10 +276,15 @@ def _wait_placement(pg, timeout_s: float, what: str, release: Callable[[], None]
         from ray.util.placement_group import remove_placement_group
 
         (release or (lambda: remove_placement_group(pg)))()
-        raise ClusterError(
-            f"Ray could not place {what} within {timeout_s:.0f} s; cluster resources: "
-            f"{ray.cluster_resources()} (lower run.hosts, or add nodes)"
-        ) from None
+        raise _placement_error(what, timeout_s, fix) from None
+
+
+def _placement_error(what: str, timeout_s: float, fix: str) -> ClusterError:
+    import ray
+
+    return ClusterError(
+        f"Ray could not place {what} within {timeout_s:.0f} s; cluster resources: {ray.cluster_resources()} ({fix})"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
