@@ -3,6 +3,7 @@
   podray train [PRESET_OR_YAML] [--set section.field=value ...] [--run-dir DIR] [--resume RUN_DIR]
                [--address RAY_ADDRESS] [--dashboard] [--in-process]
   podray bench anakin|sebulba|ray [--out FILE] [--quick]
+  podray bench probe RUN_DIR [--out FILE]
   podray tune STUDY_YAML [--set section.field=value ...] [--storage DIR] [--name NAME] [--address ADDR]
   podray tune --resume STUDY_DIR
 
@@ -118,7 +119,14 @@ def _bench(args: argparse.Namespace) -> int:
 
         sebulba_bench.main(out=args.out, quick=args.quick, min_seconds=args.seconds)
         return 0
-    raise config_lib.ConfigError(f"bench: unknown target '{args.target}'; choose anakin, sebulba or ray")
+    if args.target == "probe":
+        if not args.run_dir:
+            raise config_lib.ConfigError("bench probe: give a run directory: podray bench probe RUN_DIR")
+        from podray.bench import probe
+
+        probe.main(args.run_dir, out=args.out, frames=args.frames)
+        return 0
+    raise config_lib.ConfigError(f"bench: unknown target '{args.target}'; choose anakin, sebulba, ray or probe")
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -189,8 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a single host in this process, without starting Ray (quicker start-up, no dashboard)",
     )
     t.set_defaults(func=_train)
-    b = sub.add_parser("bench", help="throughput benchmarks")
-    b.add_argument("target", choices=["anakin", "sebulba", "ray"], help="what to benchmark")
+    b = sub.add_parser("bench", help="throughput benchmarks; 'probe RUN_DIR' looks inside a run's network")
+    b.add_argument("target", choices=["anakin", "sebulba", "ray", "probe"], help="what to benchmark")
+    b.add_argument("run_dir", nargs="?", default=None, help="probe: the run directory (its latest checkpoint)")
+    b.add_argument("--frames", type=int, default=2400, help="probe: random-play frames to look at")
     b.add_argument("--out", default=None, help="write the rows as JSON to this file")
     b.add_argument("--quick", action="store_true", help="a shorter sweep (for smoke tests)")
     b.add_argument("--seconds", type=float, default=20.0, help="sebulba: seconds of steady state per setting")

@@ -76,6 +76,15 @@ def test_impala_learns_cartpole_from_envpool(tmp_path):
     ):
         assert key in rows[-1], key
     assert _no_actor_threads_alive()
+    # `podray bench probe` on this run: the trained policy depends on the state, the initial one hardly.
+    from podray.bench import probe
+
+    result = probe.probe_run(tmp_path, frames=256)
+    init, trained = result["init"], result["trained"]
+    assert result["checkpoint_step"] > 0 and result["frames"] == 256
+    assert trained["features"] == config.network.width and 0.0 <= trained["dead_fraction"] <= 1.0
+    assert abs(sum(trained["mean_probs"]) - 1.0) < 1e-3
+    assert max(trained["logit_spread"]) > 10 * max(init["logit_spread"])
 
 
 def test_ppo_learns_cartpole_from_envpool(tmp_path):

@@ -1,0 +1,127 @@
+"""What an agent's network does with random-play frames: `podray bench probe RUN_DIR`.
+
+For a run directory (its config.yaml and latest checkpoint), and for the same network freshly
+initialised, it reports on frames from random play of the run's host environment:
+  - the torso's features: mean |feature|, the fraction never active (a ReLU feature that is 0 on every
+    frame gets no gradient), and their spread over states (mean std of a feature across frames);
+  - the policy: the logits' std across frames per action, and the mean action probabilities;
+  - the value: mean and std across frames.
+A policy can only depend on the state through features that vary with it; docs/benchmarks.md (the
+Pong runs) shows how these figures tell a dying or state-blind torso from one that is learning.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from podray import config as config_lib
+from podray.agents import make_agent
+from podray.agents.networks import ImpalaResNet, MLPTorso, NatureCNN
+from podray.checkpoint import Checkpointer
+from podray.envs import host_envs
+
+
+def random_play_frames(config: config_lib.Config, frames: int, seed: int = 3, envs: int = 8) -> np.ndarray:
+    """About `frames` observations (envpool's layout) of uniformly random play, every other step."""
+    e = config.env
+    options = host_envs.HostEnvOptions(
+        episodic_life=e.episodic_life,
+        reward_clip=e.reward_clip,
+        noop_max=e.noop_max,
+        repeat_action_probability=e.sticky_actions,
+        num_threads=e.envpool_threads,
+    )
+    env = host_envs.HostEnv(e.name, envs, envs, seed=seed, options=options)
+    try:
+        obs, _ = env.reset()
+        rng = np.random.default_rng(seed)
+        kept = []
+        for t in range(2 * -(-frames // envs)):
+            obs = env.step(rng.integers(0, env.spec.num_actions, envs)).obs
+            if t % 2:
+                kept.append(obs)
+        return np.concatenate(kept)[:frames]
+    finally:
+        env.close()
+
+
+def probe(agent, params: Any, frames: np.ndarray, channels_first: bool) -> dict[str, Any]:
+    """The figures of the module docstring for `params` on `frames` [N, ...] (envpool's layout)."""
+    torsos = (NatureCNN, ImpalaResNet, MLPTorso)
+
+    @jax.jit
+    def run(params, obs):
+        obs = host_envs.to_channels_last(obs, channels_first)
+        out, state = agent.network.apply(
+            params, obs, capture_intermediates=lambda m, name: isinstance(m, torsos) and name == "__call__"
+        )
+        # The first torso is the policy's (the only one when shared); chunked calls are concatenated.
+        calls = next(iter(state["intermediates"].values()))["__call__"]
+        return out, jnp.concatenate(calls)
+
+    out, features = run(params, jnp.asarray(frames))
+    features, logits, value = (np.asarray(x, np.float64) for x in (features, out.logits, out.value))
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return {
+        "features": features.shape[-1],
+        "mean_abs_feature": float(np.abs(features).mean()),
+        "dead_fraction": float((features.max(0) <= 0).mean()),
+        "feature_spread": float(features.std(0).mean()),
+        "logit_spread": [round(float(s), 4) for s in logits.std(0)],
+        "mean_probs": [round(float(p), 4) for p in probs.mean(0)],
+        "value_mean": float(value.mean()),
+        "value_std": float(value.std()),
+    }
+
+
+def probe_run(run_dir: str | pathlib.Path, frames: int = 2400, seed: int = 3) -> dict[str, Any]:
+    """Probes a Sebulba run's latest checkpoint and the same network at initialisation."""
+    from podray.learners.learner import LearnerState
+    from podray.training import load_run_config
+
+    run_dir = pathlib.Path(run_dir)
+    config = load_run_config(run_dir)
+    if config.architecture != "sebulba":
+        raise config_lib.ConfigError(f"bench probe: {run_dir} is a {config.architecture} run; it probes sebulba runs")
+    checkpoints = Checkpointer(run_dir / "checkpoints")
+    step = checkpoints.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"bench probe: no checkpoint in {run_dir / 'checkpoints'}; probe a run that saved one")
+    spec, channels_first = host_envs.env_spec(config.env.name)
+    agent = make_agent(config.agent, config.network, spec, num_updates=1)
+    init = LearnerState(train=agent.init(jax.random.PRNGKey(config.seed)), key=jax.random.PRNGKey(0))
+    state, meta = checkpoints.restore(init, step)
+    checkpoints.close()
+    obs = random_play_frames(config, frames, seed)
+    return {
+        "run_dir": str(run_dir),
+        "checkpoint_step": int(step),
+        "env_steps": meta.get("env_steps"),
+        "frames": int(len(obs)),
+        "init": probe(agent, init.train.params, obs, channels_first),
+        "trained": probe(agent, state.train.params, obs, channels_first),
+    }
+
+
+def main(run_dir: str, out: str | None = None, frames: int = 2400) -> dict[str, Any]:
+    result = probe_run(run_dir, frames)
+    where = f"{result['run_dir']} @ update {result['checkpoint_step']} ({result['env_steps']} env steps)"
+    print(f"{where}, {result['frames']} frames")
+    for name in ("init", "trained"):
+        r = result[name]
+        print(
+            f"  {name:>7}: |f| {r['mean_abs_feature']:.4f}  dead {r['dead_fraction']:.2f}"
+            f"  spread {r['feature_spread']:.4f}"
+            f"  value {r['value_mean']:+.2f} +- {r['value_std']:.2f}  logit spread {r['logit_spread']}"
+            f"  mean probs {r['mean_probs']}"
+        )
+    if out:
+        pathlib.Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
