@@ -122,6 +122,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.target == "probe":
         if not args.run_dir:
             raise config_lib.ConfigError("bench probe: give a run directory: podray bench probe RUN_DIR")
+        if args.frames < 1:
+            raise config_lib.ConfigError(f"bench probe: --frames {args.frames} must be >= 1 (default 2400)")
         from podray.bench import probe
 
         probe.main(args.run_dir, out=args.out, frames=args.frames)

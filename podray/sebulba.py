@@ -133,13 +133,7 @@ class SebulbaProgram:
     def _make_env(self, index: int) -> host_envs.HostEnv:
         s, e = self.config.sebulba, self.config.env
         num_envs = s.envs_per_actor_thread or s.actor_batch_size
-        options = host_envs.HostEnvOptions(
-            episodic_life=e.episodic_life,
-            reward_clip=e.reward_clip,
-            noop_max=e.noop_max,
-            repeat_action_probability=e.sticky_actions,
-            num_threads=e.envpool_threads,
-        )
+        options = host_envs.HostEnvOptions.from_config(e)
         seed = self.config.seed * 1_000_003 + index * num_envs
         return host_envs.HostEnv(e.name, num_envs, s.actor_batch_size, seed=seed, options=options)
 

@@ -29,15 +29,8 @@ from podray.envs import host_envs
 
 def random_play_frames(config: config_lib.Config, frames: int, seed: int = 3, envs: int = 8) -> np.ndarray:
     """About `frames` observations (envpool's layout) of uniformly random play, every other step."""
-    e = config.env
-    options = host_envs.HostEnvOptions(
-        episodic_life=e.episodic_life,
-        reward_clip=e.reward_clip,
-        noop_max=e.noop_max,
-        repeat_action_probability=e.sticky_actions,
-        num_threads=e.envpool_threads,
-    )
-    env = host_envs.HostEnv(e.name, envs, envs, seed=seed, options=options)
+    options = host_envs.HostEnvOptions.from_config(config.env)
+    env = host_envs.HostEnv(config.env.name, envs, envs, seed=seed, options=options)
     try:
         obs, _ = env.reset()
         rng = np.random.default_rng(seed)
@@ -51,8 +44,8 @@ def random_play_frames(config: config_lib.Config, frames: int, seed: int = 3, en
         env.close()
 
 
-def probe(agent, params: Any, frames: np.ndarray, channels_first: bool) -> dict[str, Any]:
-    """The figures of the module docstring for `params` on `frames` [N, ...] (envpool's layout)."""
+def forward(agent, channels_first: bool):
+    """A jitted (params, obs [N, ...] in envpool's layout) -> (network output, policy-torso features [N, F])."""
     torsos = (NatureCNN, ImpalaResNet, MLPTorso)
 
     @jax.jit
@@ -65,6 +58,11 @@ def probe(agent, params: Any, frames: np.ndarray, channels_first: bool) -> dict[
         calls = next(iter(state["intermediates"].values()))["__call__"]
         return out, jnp.concatenate(calls)
 
+    return run
+
+
+def probe(run, params: Any, frames: np.ndarray) -> dict[str, Any]:
+    """The figures of the module docstring for `params` on `frames` [N, ...], with `run` from forward()."""
     out, features = run(params, jnp.asarray(frames))
     features, logits, value = (np.asarray(x, np.float64) for x in (features, out.logits, out.value))
     probs = np.exp(logits - logits.max(-1, keepdims=True))
@@ -100,13 +98,14 @@ def probe_run(run_dir: str | pathlib.Path, frames: int = 2400, seed: int = 3) ->
     state, meta = checkpoints.restore(init, step)
     checkpoints.close()
     obs = random_play_frames(config, frames, seed)
+    run = forward(agent, channels_first)
     return {
         "run_dir": str(run_dir),
         "checkpoint_step": int(step),
         "env_steps": meta.get("env_steps"),
         "frames": int(len(obs)),
-        "init": probe(agent, init.train.params, obs, channels_first),
-        "trained": probe(agent, state.train.params, obs, channels_first),
+        "init": probe(run, init.train.params, obs),
+        "trained": probe(run, state.train.params, obs),
     }
 
 

@@ -332,9 +332,9 @@ def plot_learning_curve(
         title = "Sebulba on Atari"
         config_file = pathlib.Path(metrics_jsonl).with_name("config.yaml")
         if config_file.exists():
-            import yaml
+            from podray.config import load_yaml
 
-            config = yaml.safe_load(config_file.read_text())
+            config = load_yaml(str(config_file))
             title = f"Sebulba {config['agent']['name'].upper()} on {config['env']['name']}"
     rows = [r for r in read_jsonl(metrics_jsonl) if r.get("mean_return") is not None]
     frame_skip = 4

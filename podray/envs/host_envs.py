@@ -50,6 +50,17 @@ class HostEnvOptions:
     max_episode_steps: int = 0
     num_threads: int = 0
 
+    @classmethod
+    def from_config(cls, env) -> HostEnvOptions:
+        """The options an EnvConfig (`config.env`) asks for."""
+        return cls(
+            episodic_life=env.episodic_life,
+            reward_clip=env.reward_clip,
+            noop_max=env.noop_max,
+            repeat_action_probability=env.sticky_actions,
+            num_threads=env.envpool_threads,
+        )
+
 
 @dataclass
 class HostStep:
