@@ -94,10 +94,12 @@ class AgentConfig:
     """Weight of the value loss."""
     entropy_coef: float = 0.01
     """Weight of the entropy bonus."""
-    epochs: int = 4
-    """Passes over each batch of experience (ppo; impala uses 1)."""
-    num_minibatches: int = 4
-    """Minibatches per epoch; must divide the per-device batch (rollout_length x envs per device)."""
+    epochs: int = 0
+    """Passes over each batch of experience; 0 means the agent's default (ppo 4, impala 1)."""
+    num_minibatches: int = 0
+    """Minibatches per epoch; 0 means the agent's default (ppo 4, impala 1). PPO splits the per-device
+    batch of samples (rollout_length x envs per device), IMPALA the per-device environments (V-trace
+    needs whole sequences); the count must divide it."""
     normalize_advantages: bool = False
     """Normalise the policy-gradient advantages over the batch (impala; ppo always does). With a
     shared torso, IMPALA's raw advantages (about 0.1 on Atari with clipped rewards) make the policy
@@ -205,6 +207,14 @@ AGENTS = ("ppo", "impala")
 TORSOS = ("mlp", "nature_cnn", "impala_resnet")
 ACTIVATIONS = ("tanh", "relu")
 OPTIMIZERS = ("adam", "rmsprop")
+SGD_DEFAULTS = {"ppo": (4, 4), "impala": (1, 1)}
+"""(epochs, num_minibatches) of each agent where the config leaves them at 0."""
+
+
+def sgd_schedule(agent: AgentConfig) -> tuple[int, int]:
+    """(epochs, num_minibatches) of one update: the config's, or the agent's defaults for 0."""
+    epochs, minibatches = SGD_DEFAULTS[agent.name]
+    return agent.epochs or epochs, agent.num_minibatches or minibatches
 
 
 # --------------------------------------------------------------------------------------------------
@@ -409,8 +419,9 @@ def validate(config: Config) -> None:
     _choice("agent.name", a.name, AGENTS)
     _choice("agent.optimizer", a.optimizer, OPTIMIZERS)
     _positive("agent.learning_rate", a.learning_rate)
-    _positive("agent.epochs", a.epochs)
-    _positive("agent.num_minibatches", a.num_minibatches)
+    for name in ("epochs", "num_minibatches"):
+        if getattr(a, name) < 0:
+            raise ConfigError(f"agent.{name}: must be >= 0 (0 means the agent's default), got {getattr(a, name)}")
     if a.max_grad_norm < 0:
         raise ConfigError(f"agent.max_grad_norm: must be >= 0 (0 disables clipping), got {a.max_grad_norm}")
     for name in ("discount", "gae_lambda", "vtrace_lambda"):
@@ -555,12 +566,13 @@ def _validate_sebulba(config: Config) -> None:
             f"sebulba.{field_}: {piece} does not split over {n_learners} learner devices; "
             f"use a multiple of {n_learners}"
         )
-    per_device = s.rollout_length * s.learner_batch_size // n_learners
-    if config.agent.name == "ppo" and per_device % config.agent.num_minibatches:
-        raise ConfigError(
-            f"agent.num_minibatches: {config.agent.num_minibatches} does not divide the per-learner-device batch "
-            f"of {per_device} (sebulba.rollout_length x learner_batch_size / learner devices)"
-        )
+    _check_minibatches(
+        config.agent,
+        s.learner_batch_size // n_learners,
+        s.rollout_length,
+        "sebulba.learner_batch_size / learner devices",
+        "sebulba.rollout_length",
+    )
     if r.checkpoint_every < 0 or r.checkpoint_every % s.log_every:
         raise ConfigError(
             f"run.checkpoint_every: {r.checkpoint_every} must be 0 or a positive multiple of sebulba.log_every "
@@ -603,12 +615,25 @@ def validate_devices(config: Config, num_devices: int) -> None:
             f"env.num_envs: {total} environments do not divide over {num_devices} devices; use a "
             f"multiple of {num_devices}, e.g. {num_devices * max(1, total // num_devices)}"
         )
-    per_device_batch = config.anakin.rollout_length * (total // num_devices)
-    mb = config.agent.num_minibatches
-    if per_device_batch % mb:
+    _check_minibatches(
+        config.agent,
+        total // num_devices,
+        config.anakin.rollout_length,
+        "env.num_envs / devices",
+        "anakin.rollout_length",
+    )
+
+
+def _check_minibatches(agent: AgentConfig, envs: int, rollout_length: int, envs_field: str, t_field: str) -> None:
+    """PPO's minibatches split the per-device samples, IMPALA's the per-device environments."""
+    _, mb = sgd_schedule(agent)
+    if agent.name == "impala":
+        size, what = envs, f"environments per device ({envs_field})"
+    else:
+        size, what = rollout_length * envs, f"batch ({t_field} x {envs_field})"
+    if size % mb:
         raise ConfigError(
-            f"agent.num_minibatches: {mb} does not divide the per-device batch of {per_device_batch} "
-            f"(anakin.rollout_length x env.num_envs / devices); choose a divisor of {per_device_batch}"
+            f"agent.num_minibatches: {mb} does not divide the per-device {what} of {size}; choose a divisor of {size}"
         )
 
 

@@ -228,3 +228,35 @@ def test_impala_normalized_advantages_ignore_the_reward_scale():
     np.testing.assert_allclose(flat_grad(agent, scaled), flat_grad(agent, traj), rtol=1e-3, atol=1e-6)
     raw = make_agent(dataclasses.replace(config, normalize_advantages=False), NetworkConfig(), SPEC, num_updates=1)
     np.testing.assert_allclose(flat_grad(raw, scaled), 100.0 * flat_grad(raw, traj), rtol=1e-3, atol=1e-5)
+
+
+def test_impala_minibatches_are_sequential_steps_on_shuffled_environments():
+    """IMPALA with epochs x num_minibatches: each step is the one-step update on a minibatch of whole
+    sequences (environments of the batch, in the order the epoch's key shuffles them)."""
+    from podray.agents.base import shuffle
+
+    def agent_with(epochs, minibatches):
+        config = AgentConfig(
+            name="impala", learning_rate=1e-2, anneal_lr=False, epochs=epochs, num_minibatches=minibatches
+        )
+        return make_agent(config, NetworkConfig(), SPEC, num_updates=10)
+
+    B, key = 6, jax.random.PRNGKey(4)
+    traj = _trajectory(jax.random.PRNGKey(5), B=B)
+    many, one = agent_with(2, 3), agent_with(1, 1)
+    assert many.optimizer_steps_per_update() == 6 and one.optimizer_steps_per_update() == 1
+    state = many.init(jax.random.PRNGKey(0))
+    got, metrics = jax.jit(many.update)(state, traj, key)
+    assert int(got.updates) == 1 and all(np.isfinite(v) for v in jax.tree.leaves(metrics))
+
+    want = state
+    for epoch_key in jax.random.split(key, 2):
+        perm = np.asarray(shuffle(epoch_key, B))
+        for rows in perm.reshape(3, B // 3):
+            minibatch = jax.tree.map(lambda x, r=rows: x[:, r], traj)
+            want, _ = jax.jit(one.update)(want, minibatch, key)
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # and the minibatches really moved the parameters apart from a single whole-batch step
+    single, _ = jax.jit(one.update)(state, traj, key)
+    assert not np.allclose(jax.tree.leaves(single.params)[0], jax.tree.leaves(got.params)[0])

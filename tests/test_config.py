@@ -41,6 +41,7 @@ def test_override_types_and_scientific_notation():
         (["run.checkpoint_every=7"], "run.checkpoint_every"),
         (["env.num_envs=6", "run.cpu_devices=4"], "env.num_envs"),
         (["agent.num_minibatches=3"], "agent.num_minibatches"),
+        (["agent.epochs=-1"], "agent.epochs"),
         (["run.devices=[0, 0]"], "run.devices"),
     ],
 )
@@ -49,6 +50,19 @@ def test_bad_config_names_the_field_without_compiling(overrides, field, compile_
         config = config_lib.load(None, overrides)
         config_lib.validate_devices(config, 4)
     assert str(info.value).startswith(field), info.value
+    assert compile_counter == []
+
+
+def test_impala_minibatches_split_environments_not_samples(compile_counter):
+    """IMPALA's minibatches are whole sequences: their count must divide the environments per device."""
+    ok = config_lib.load("sebulba_pong", ["agent.num_minibatches=4", "sebulba.learner_batch_size=16"])
+    assert config_lib.sgd_schedule(ok.agent) == (1, 4)
+    # 32 environments x 20 steps: 640 samples split into 5, 32 environments do not
+    with pytest.raises(ConfigError, match="^agent.num_minibatches: 5 does not divide the per-device environments"):
+        config_lib.load("sebulba_pong", ["agent.num_minibatches=5"])
+    # Anakin: 4 environments per device x 128 steps
+    with pytest.raises(ConfigError, match="^agent.num_minibatches: 8 does not divide the per-device environments"):
+        config_lib.validate_devices(config_lib.load(None, ["agent.name=impala", "agent.num_minibatches=8"]), 4)
     assert compile_counter == []
 
 
@@ -78,3 +92,13 @@ def test_cli_rejects_bad_config_quickly():
     assert proc.returncode == 2
     assert "podray: error: env.name: 'Nope-v0' is not a JAX (gymnax) environment" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_cli_set_takes_several_overrides_after_one_flag():
+    from podray.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["train", "sebulba_pong", "--set", "agent.epochs=2", "agent.num_minibatches=4", "--set", "run.seed=3"]
+    )
+    assert args.preset == "sebulba_pong"
+    assert args.set == ["agent.epochs=2", "agent.num_minibatches=4", "run.seed=3"]

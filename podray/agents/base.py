@@ -22,7 +22,7 @@ import optax
 from flax import struct
 
 from podray.agents.networks import ActorCritic, ActorCriticOutput
-from podray.config import AgentConfig, NetworkConfig
+from podray.config import AgentConfig, NetworkConfig, sgd_schedule
 from podray.envs.spec import EnvSpec
 
 AxisName = Hashable | Sequence[Hashable] | None
@@ -86,16 +86,27 @@ class Agent:
       num_updates: update() calls in the whole run (sets the learning-rate schedule).
     """
 
+    scan_unroll: bool | None = None
+    """Unroll the loops over epochs and minibatches (True), keep them as scans (False), or choose by
+    backend (None): on CPU a conv-net gradient inside a scan runs far slower than unrolled
+    (jax-ml/jax#12868; see docs/sebulba.md for our measurement), so pixel torsos unroll on CPU."""
+
     def __init__(self, config: AgentConfig, network: NetworkConfig, spec: EnvSpec, num_updates: int):
         self.config = config
+        self.epochs, self.num_minibatches = sgd_schedule(config)
         self.spec = spec
         self.network = ActorCritic(config=network, num_actions=spec.num_actions, obs_rank=len(spec.obs_shape))
         self.num_updates = num_updates
         self.optimizer = self._make_optimizer()
 
-    # Subclasses say how many optimizer steps one update() makes (for the schedule).
     def optimizer_steps_per_update(self) -> int:
-        return 1
+        """Optimizer steps in one update() (for the learning-rate schedule)."""
+        return self.epochs * self.num_minibatches
+
+    def _unroll(self) -> bool:
+        if self.scan_unroll is not None:
+            return self.scan_unroll
+        return jax.default_backend() == "cpu" and self.network.config.torso != "mlp"
 
     def _make_optimizer(self) -> optax.GradientTransformation:
         c = self.config
@@ -156,6 +167,64 @@ class Agent:
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         return optax.apply_updates(state.params, updates), opt_state
 
+    def sgd(
+        self,
+        state: TrainState,
+        data: Any,
+        key: chex.PRNGKey,
+        loss_fn,
+        batch_axis: int,
+        axis_name: AxisName = None,
+    ) -> tuple[TrainState, dict[str, chex.Array]]:
+        """`epochs` passes of `num_minibatches` gradient steps of `loss_fn` over `data`.
+
+        Args:
+          state: the state before the update.
+          data: a pytree whose leaves all have the per-device batch on axis `batch_axis` (PPO: flat
+            samples on axis 0; IMPALA: a time-major Trajectory, environments on axis 1).
+          key: shuffles the batch once per epoch (consumed; unused for one minibatch of one epoch).
+          loss_fn: (params, minibatch, axis_name) -> (loss, metrics).
+          batch_axis: the axis that is shuffled and split into minibatches.
+          axis_name: mesh axes that share the batch; gradients are averaged over them.
+        Returns:
+          (the state after one more update, the metrics averaged over steps and devices).
+        """
+        grad_fn = jax.grad(loss_fn, has_aux=True)
+
+        def minibatch_step(carry, minibatch):
+            params, opt_state = carry
+            grads, metrics = grad_fn(params, minibatch, axis_name)
+            params, opt_state = self._apply_gradients(
+                TrainState(params=params, opt_state=opt_state, updates=state.updates), grads, axis_name
+            )
+            return (params, opt_state), metrics
+
+        carry = (state.params, state.opt_state)
+        if self.epochs == 1 and self.num_minibatches == 1:
+            carry, metrics = minibatch_step(carry, data)
+        else:
+            n = jax.tree.leaves(data)[0].shape[batch_axis]
+            m = self.num_minibatches
+
+            def split(x, perm):
+                x = jnp.take(x, perm, axis=batch_axis)
+                x = x.reshape(x.shape[:batch_axis] + (m, n // m) + x.shape[batch_axis + 1 :])
+                return jnp.moveaxis(x, batch_axis, 0)  # [m, ..., n / m, ...]
+
+            def epoch(carry, epoch_key):
+                perm = shuffle(epoch_key, n)
+                minibatches = jax.tree.map(lambda x: split(x, perm), data)
+                return loop(minibatch_step, carry, minibatches)
+
+            # Unrolled as Python loops, not scan(unroll=True): a scan of length 1 (one epoch) still
+            # lowers to a while loop, and a conv gradient inside one ran 14x slower on CPU (22.7 s
+            # against 1.6 s for a Pong update of 16 x 64 samples in 4 minibatches).
+            loop = _unrolled_scan if self._unroll() else jax.lax.scan
+            carry, metrics = loop(epoch, carry, jax.random.split(key, self.epochs))
+        params, opt_state = carry
+        metrics = mean_over(jax.tree.map(jnp.mean, metrics), axis_name)
+        return TrainState(params=params, opt_state=opt_state, updates=state.updates + 1), metrics
+
     def loss(self, params: Any, trajectory: Trajectory) -> tuple[chex.Array, dict[str, chex.Array]]:
         raise NotImplementedError
 
@@ -163,6 +232,15 @@ class Agent:
         self, state: TrainState, trajectory: Trajectory, key: chex.PRNGKey, axis_name: AxisName = None
     ) -> tuple[TrainState, dict[str, chex.Array]]:
         raise NotImplementedError
+
+
+def _unrolled_scan(f, carry, xs):
+    """jax.lax.scan(f, carry, xs) as a Python loop over the leading axis: no while loop in the program."""
+    ys = []
+    for i in range(jax.tree.leaves(xs)[0].shape[0]):
+        carry, y = f(carry, jax.tree.map(lambda x, i=i: x[i], xs))
+        ys.append(y)
+    return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
 
 def shuffle(key: chex.PRNGKey, n: int, rounds: int = 2) -> chex.Array:

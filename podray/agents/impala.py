@@ -1,7 +1,8 @@
 """IMPALA (Espeholt et al., 2018): an actor-critic whose off-policy correction is V-trace (rlax).
 
 Under Anakin the behaviour policy is the current one (the ratios are 1); under Sebulba the actors lag
-the learner and V-trace corrects for it. One `update` is one gradient step on the whole batch.
+the learner and V-trace corrects for it. One `update` is one gradient step on the whole batch by
+default; `epochs` and `num_minibatches` make it several, each on a minibatch of whole sequences.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import rlax
 
-from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob, mean_over, normalize
+from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob, normalize
 
 
 class IMPALA(Agent):
@@ -58,9 +59,9 @@ class IMPALA(Agent):
     def update(
         self, state: TrainState, trajectory: Trajectory, key: chex.PRNGKey, axis_name: AxisName = None
     ) -> tuple[TrainState, dict[str, chex.Array]]:
-        """One gradient step on the batch; the key is unused (kept for the shared interface)."""
-        del key
-        grads, metrics = jax.grad(self.loss, has_aux=True)(state.params, trajectory, axis_name)
-        params, opt_state = self._apply_gradients(state, grads, axis_name)
-        metrics = mean_over(metrics, axis_name)
-        return TrainState(params=params, opt_state=opt_state, updates=state.updates + 1), metrics
+        """`epochs` x `num_minibatches` gradient steps (default one step on the whole batch).
+
+        Minibatches are whole sequences (environments of the batch, shuffled by the key), so V-trace
+        runs over each one with the current parameters at every step, as in Cleanba's IMPALA.
+        """
+        return self.sgd(state, trajectory, key, self.loss, batch_axis=1, axis_name=axis_name)

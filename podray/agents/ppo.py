@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import rlax
 
-from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob, mean_over, normalize, shuffle
+from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob, normalize
 
 
 @chex.dataclass(frozen=True)
@@ -32,19 +32,6 @@ class PPOBatch:
 
 class PPO(Agent):
     """PPO with a clipped surrogate policy loss, a clipped value loss and an entropy bonus."""
-
-    scan_unroll: bool | None = None
-    """Unroll the loops over epochs and minibatches (True), keep them as scans (False), or choose by
-    backend (None): on CPU a conv-net gradient inside a scan runs far slower than unrolled
-    (jax-ml/jax#12868; see docs/sebulba.md for our measurement), so pixel torsos unroll on CPU."""
-
-    def _unroll(self) -> bool:
-        if self.scan_unroll is not None:
-            return self.scan_unroll
-        return jax.default_backend() == "cpu" and self.network.config.torso != "mlp"
-
-    def optimizer_steps_per_update(self) -> int:
-        return self.config.epochs * self.config.num_minibatches
 
     def advantages(self, params: Any, trajectory: Trajectory) -> tuple[chex.Array, chex.Array]:
         """GAE advantages and value targets, both [T, B], from behaviour values and a bootstrap."""
@@ -104,28 +91,5 @@ class PPO(Agent):
         self, state: TrainState, trajectory: Trajectory, key: chex.PRNGKey, axis_name: AxisName = None
     ) -> tuple[TrainState, dict[str, chex.Array]]:
         """`epochs` x `num_minibatches` gradient steps on one batch (the key shuffles it)."""
-        c = self.config
         batch = self.make_batch(state.params, trajectory)
-        n = batch.action.shape[0]
-        grad_fn = jax.grad(self.minibatch_loss, has_aux=True)
-
-        def minibatch_step(carry, minibatch):
-            params, opt_state = carry
-            grads, metrics = grad_fn(params, minibatch, axis_name)
-            params, opt_state = self._apply_gradients(
-                TrainState(params=params, opt_state=opt_state, updates=state.updates), grads, axis_name
-            )
-            return (params, opt_state), metrics
-
-        def epoch(carry, epoch_key):
-            perm = shuffle(epoch_key, n)
-            shuffled = jax.tree.map(lambda x: x[perm].reshape((c.num_minibatches, -1) + x.shape[1:]), batch)
-            return jax.lax.scan(minibatch_step, carry, shuffled, unroll=unroll)
-
-        unroll = self._unroll()
-        (params, opt_state), metrics = jax.lax.scan(
-            epoch, (state.params, state.opt_state), jax.random.split(key, c.epochs), unroll=unroll
-        )
-        metrics = mean_over(jax.tree.map(jnp.mean, metrics), axis_name)
-        new_state = TrainState(params=params, opt_state=opt_state, updates=state.updates + 1)
-        return new_state, metrics
+        return self.sgd(state, batch, key, self.minibatch_loss, batch_axis=0, axis_name=axis_name)

@@ -3,7 +3,7 @@
   python -m podray.bench.scan_unroll_bench nature_cnn [impala_resnet]
 
 On XLA:CPU a conv-net gradient inside a scan is far slower than unrolled (jax-ml/jax#12868); PPO picks
-unrolled loops on CPU for pixel torsos (PPO.scan_unroll). Results: docs/benchmarks.md.
+unrolled loops on CPU for pixel torsos (Agent.scan_unroll). Results: docs/benchmarks.md.
 """
 
 import sys
