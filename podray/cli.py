@@ -175,10 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--set",
-        action="append",
+        action="extend",
+        nargs="+",
         default=[],
         metavar="FIELD=VALUE",
-        help="override a config field, e.g. --set agent.learning_rate=3e-4 (repeatable)",
+        help="override config fields, e.g. --set agent.learning_rate=3e-4 env.num_envs=64 (repeatable)",
     )
     t.add_argument("--run-dir", default=None, help="run directory (default runs/<name>-<time>)")
     t.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
@@ -211,10 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("study", nargs="?", default=None, help="study YAML (tune_configs/NAME.yaml or a name there)")
     u.add_argument(
         "--set",
-        action="append",
+        action="extend",
+        nargs="+",
         default=[],
         metavar="FIELD=VALUE",
-        help="override a field of the base config for every trial (repeatable)",
+        help="override fields of the base config for every trial (several after one --set; repeatable)",
     )
     u.add_argument("--storage", default="tune_runs", help="directory of study directories (default tune_runs)")
     u.add_argument("--name", default=None, help="study directory name (default <study name>-<time>)")

@@ -43,8 +43,9 @@ def test_breakout_reports_whole_games_with_the_real_score():
         assert step.episode_done[0], "a random Breakout game should end within 5000 steps"
         for prev, cur in zip(steps, steps[1:]):
             if prev.discount[0] == 0.0 and not prev.episode_done[0]:
-                life_ends += 1 if cur.reward[0] == 0.0 and cur.discount[0] == 0.0 else 0
+                life_ends += 1 if cur.reward[0] == 0.0 and cur.discount[0] == 0.0 and cur.first[0] else 0
         assert life_ends == 4  # the 4 lives lost before the last, each followed by envpool's reset step
+        assert sum(int(s.first[0]) for s in steps) == 4  # and no other step is flagged as one
         assert np.all(np.abs([s.reward[0] for s in steps]) <= 1.0)  # training rewards are clipped
         assert step.episode_return[0] >= clipped  # the real score (bricks are worth 1 to 7 points)
         assert sum(int(s.episode_done[0]) for s in steps) == 1
@@ -85,6 +86,14 @@ def test_actor_rows_are_consistent_in_time(envs_per_actor_thread):
         within = traj.discount == 1.0
         assert within.mean() > 0.8
         np.testing.assert_allclose(traj.obs[1:, :, 0][within], (x + 0.02 * x_dot)[within], atol=1e-5)
+        # envpool's reset step is no transition: every recorded step is a real one (CartPole pays 1
+        # each; the reset step would pay 0), and after an episode's last step comes a first
+        # observation (gym's reset draws every component in [-0.05, 0.05]). An episode that ends on
+        # the rollout's last step leaves its last observation as the bootstrap, which discount 0 voids.
+        np.testing.assert_array_equal(traj.reward, 1.0)
+        ended = traj.discount[:-1] == 0.0
+        assert ended.any(), "some CartPole episode should end within 3 rollouts"
+        assert np.all(np.abs(traj.obs[1:-1][ended]) <= 0.05)
         # and the behaviour outputs belong to the action taken
         assert np.all((traj.action >= 0) & (traj.action < 2))
         assert np.isfinite(traj.actor_out.logits).all()

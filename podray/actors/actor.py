@@ -198,9 +198,11 @@ class ActorThread(threading.Thread):
         obs, ids = env.reset()
         step = None
         while not self._stop_event.is_set():
-            # Record the results of the previous actions of these environments.
+            # Record the results of the previous actions of these environments. envpool's reset step
+            # is no transition (its action was ignored): nothing is recorded, and the first observation
+            # of the new episode takes the slot of the last one of the old (whose step had discount 0).
             if step is not None:
-                prev = has_prev[ids]
+                prev = has_prev[ids] & ~step.first
                 pid = ids[prev]
                 buf.reward[t[pid], pid] = step.reward[prev]
                 buf.discount[t[pid], pid] = step.discount[prev]

@@ -9,8 +9,10 @@ clipping; sticky actions (repeat_action_probability) are an option.
 Two details of envpool that this wrapper hides from the actors:
 - Auto-reset takes one extra step: after a step that ends an episode, the next step of that
   environment ignores its action and returns the first observation of the next episode, with reward 0.
-  That step is reported with reward 0 and discount 0, so the loss learns nothing from the ignored action
-  and bootstraps nothing across the boundary.
+  That step is flagged (`HostStep.first`) and reported with reward 0 and discount 0. It is no
+  transition of the game: the actors record none for it (podray/actors/actor.py), so a trajectory goes
+  from the step that ended an episode (discount 0) straight to the first observation of the next, as
+  under Anakin's JAX environments.
 - With episodic life and reward clipping, the reward and the episode end used for training are not the
   game's. The returns reported to users are the real, unclipped game score over whole games
   (envpool's info["reward"] and info["terminated"]).
@@ -71,6 +73,8 @@ class HostStep:
       reward: [B] float32 training reward (clipped for Atari when reward_clip is set).
       discount: [B] float32, 0 where the training episode ended on this step or this step was
         envpool's reset step, else 1.
+      first: [B] bool, this step was envpool's reset step: its action was ignored and obs is the first
+        observation of a new episode (no transition happened).
       env_id: [B] int32 ids of the environments in this batch (all of them, in order, when sync).
       episode_return: [B] float32 unclipped game score of games that ended on this step (0 elsewhere).
       episode_done: [B] bool, a whole game ended on this step.
@@ -79,6 +83,7 @@ class HostStep:
     obs: np.ndarray
     reward: np.ndarray
     discount: np.ndarray
+    first: np.ndarray
     env_id: np.ndarray
     episode_return: np.ndarray
     episode_done: np.ndarray
@@ -229,6 +234,7 @@ class HostEnv:
             obs=obs,
             reward=np.where(was_reset, 0.0, reward).astype(np.float32),
             discount=np.where(was_reset | done, 0.0, 1.0).astype(np.float32),
+            first=was_reset,
             env_id=env_id,
             episode_return=np.where(game_over, returns, 0.0).astype(np.float32),
             episode_done=game_over,
