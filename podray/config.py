@@ -77,7 +77,10 @@ class AgentConfig:
     anneal_lr: bool = True
     """Anneal the learning rate linearly to zero over the run."""
     optimizer: str = "adam"
-    """Optimizer: 'adam' or 'rmsprop'."""
+    """Optimizer: 'adam', 'rmsprop' (optax's: eps inside the square root), or 'rmsprop_torch'
+    (PyTorch's, as in torchbeast and Cleanba: eps after the square root, no momentum, decay 0.99).
+    Their IMPALA sums the loss over a batch of N samples; podray's losses are means, so their eps of
+    0.01 and gradient clip of 40 are 0.01 / N and 40 / N here."""
     adam_eps: float = 1e-5
     """Epsilon of Adam / RMSProp (optax; RMSProp adds it inside the square root). podray's losses are
     means over the batch, so keep it small: RMSProp's 0.01 of torchbeast assumes losses summed over the
@@ -206,7 +209,7 @@ ARCHITECTURES = ("anakin", "sebulba")
 AGENTS = ("ppo", "impala")
 TORSOS = ("mlp", "nature_cnn", "impala_resnet")
 ACTIVATIONS = ("tanh", "relu")
-OPTIMIZERS = ("adam", "rmsprop")
+OPTIMIZERS = ("adam", "rmsprop", "rmsprop_torch")
 SGD_DEFAULTS = {"ppo": (4, 4), "impala": (1, 1)}
 """(epochs, num_minibatches) of each agent where the config leaves them at 0."""
 

@@ -260,3 +260,20 @@ def test_impala_minibatches_are_sequential_steps_on_shuffled_environments():
     # and the minibatches really moved the parameters apart from a single whole-batch step
     single, _ = jax.jit(one.update)(state, traj, key)
     assert not np.allclose(jax.tree.leaves(single.params)[0], jax.tree.leaves(got.params)[0])
+
+
+def test_rmsprop_torch_puts_eps_after_the_square_root():
+    """'rmsprop_torch' (torchbeast's and Cleanba's optimizer) is invariant to the loss scale when eps is
+    small beside the gradients; optax's 'rmsprop' adds eps inside the square root, where it dominates
+    small gradients."""
+
+    def first_update(optimizer, scale):
+        config = AgentConfig(optimizer=optimizer, adam_eps=1e-8, max_grad_norm=0.0, anneal_lr=False)
+        agent = make_agent(config, NetworkConfig(), SPEC, num_updates=1)
+        params = {"w": jnp.ones(3)}
+        grads = {"w": scale * jnp.array([1e-3, -2e-3, 4e-3])}
+        updates, _ = agent.optimizer.update(grads, agent.optimizer.init(params), params)
+        return np.asarray(updates["w"])
+
+    np.testing.assert_allclose(first_update("rmsprop_torch", 1.0), first_update("rmsprop_torch", 100.0), rtol=1e-2)
+    assert not np.allclose(first_update("rmsprop", 1.0), first_update("rmsprop", 100.0), rtol=1e-1)

@@ -115,7 +115,7 @@ class Agent:
         if c.optimizer == "adam":
             opt = optax.adam(lr, eps=c.adam_eps)
         else:
-            opt = optax.rmsprop(lr, eps=c.adam_eps, decay=0.99)
+            opt = optax.rmsprop(lr, eps=c.adam_eps, decay=0.99, eps_in_sqrt=c.optimizer == "rmsprop")
         chain = [optax.clip_by_global_norm(c.max_grad_norm)] if c.max_grad_norm > 0 else []
         return optax.chain(*chain, opt)
 
