@@ -60,6 +60,10 @@ class NetworkConfig:
     """Activation of the dense layers: 'tanh' or 'relu'."""
     shared_torso: bool = False
     """One torso for policy and value (True) or one each (False)."""
+    value_head_scale: float = 1.0
+    """Gain of the value head's orthogonal init. 0 starts the value at 0 in every state, so the first,
+    state-independent value errors (Pong's returns are about -2) train the head's bias instead of
+    pushing a shared torso's features to zero."""
     chunk_rows: int = -1
     """Rows of a batch that a pixel torso (nature_cnn, impala_resnet) takes at a time; the result is
     the same, only the order of the float sums changes. -1 chooses by backend: 32 on CPU, where a
@@ -414,6 +418,8 @@ def validate(config: Config) -> None:
     _choice("network.activation", n.activation, ACTIVATIONS)
     _positive("network.depth", n.depth)
     _positive("network.width", n.width)
+    if n.value_head_scale < 0:
+        raise ConfigError(f"network.value_head_scale: must be >= 0, got {n.value_head_scale}")
     if n.chunk_rows < -1:
         raise ConfigError(
             f"network.chunk_rows: must be -1 (by backend), 0 (whole batch) or a positive row count, got {n.chunk_rows}"

@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 @pytest.fixture
 def compile_counter():
     """Counts XLA compilations made while the test runs (for 'rejected before compiling')."""
+    import gymnax  # noqa: F401 - its import runs jnp ops at module level (compiles); not the test's
     import jax
 
     events = []

@@ -277,3 +277,13 @@ def test_rmsprop_torch_puts_eps_after_the_square_root():
 
     np.testing.assert_allclose(first_update("rmsprop_torch", 1.0), first_update("rmsprop_torch", 100.0), rtol=1e-2)
     assert not np.allclose(first_update("rmsprop", 1.0), first_update("rmsprop", 100.0), rtol=1e-1)
+
+
+def test_value_head_scale_zero_starts_the_value_at_zero():
+    config = NetworkConfig(torso="nature_cnn", depth=1, width=32, shared_torso=True, value_head_scale=0.0)
+    net = ActorCritic(config=config, num_actions=6, obs_rank=3)
+    obs = jax.random.randint(jax.random.PRNGKey(1), (5, 84, 84, 4), 0, 255).astype(jnp.uint8)
+    params = net.init(jax.random.PRNGKey(0), obs)
+    out = jax.jit(net.apply)(params, obs)
+    np.testing.assert_array_equal(np.asarray(out.value), 0.0)
+    assert np.std(np.asarray(out.logits)) > 0  # the policy head keeps its own init

@@ -34,6 +34,7 @@ def test_override_types_and_scientific_notation():
         (["anakin.rollout_length=0"], "anakin.rollout_length"),
         (["env.num_envs=-4"], "env.num_envs"),
         (["network.depth=0"], "network.depth"),
+        (["network.value_head_scale=-1"], "network.value_head_scale"),
         (["network.chunk_rows=-2"], "network.chunk_rows"),
         (["agent.discount=1.5"], "agent.discount"),
         (["agent.name=dqn"], "agent.name"),

@@ -201,5 +201,5 @@ class ActorCritic(nn.Module):
         policy_features = features()
         value_features = policy_features if self.config.shared_torso else features()
         logits = _dense(self.num_actions, scale=0.01)(policy_features)
-        value = _dense(1, scale=1.0)(value_features)[..., 0]
+        value = _dense(1, scale=self.config.value_head_scale)(value_features)[..., 0]
         return ActorCriticOutput(logits=logits, value=value)
