@@ -58,9 +58,9 @@ def test_impala_minibatches_split_environments_not_samples(compile_counter):
     """IMPALA's minibatches are whole sequences: their count must divide the environments per device."""
     ok = config_lib.load("sebulba_pong", ["agent.num_minibatches=4", "sebulba.learner_batch_size=16"])
     assert config_lib.sgd_schedule(ok.agent) == (1, 4)
-    # 32 environments x 20 steps: 640 samples split into 5, 32 environments do not
-    with pytest.raises(ConfigError, match="^agent.num_minibatches: 5 does not divide the per-device environments"):
-        config_lib.load("sebulba_pong", ["agent.num_minibatches=5"])
+    # 16 environments x 64 steps: 1,024 samples split into 32, 16 environments do not
+    with pytest.raises(ConfigError, match="^agent.num_minibatches: 32 does not divide the per-device environments"):
+        config_lib.load("sebulba_pong", ["agent.num_minibatches=32"])
     # Anakin: 4 environments per device x 128 steps
     with pytest.raises(ConfigError, match="^agent.num_minibatches: 8 does not divide the per-device environments"):
         config_lib.validate_devices(config_lib.load(None, ["agent.name=impala", "agent.num_minibatches=8"]), 4)
