@@ -45,6 +45,9 @@ class EnvConfig:
     """Sebulba, Atari: probability of repeating the previous action (0.25 in Machado et al.; 0 off)."""
     envpool_threads: int = 0
     """Sebulba: envpool worker threads per actor thread's pool; 0 lets envpool choose."""
+    max_episode_steps: int = 0
+    """Sebulba: time limit of an episode in agent steps; 0 keeps envpool's (Atari 27,000 = 108,000
+    frames, CartPole-v1 500). An episode cut by it is truncated, not ended: its value is bootstrapped."""
 
 
 @dataclass
@@ -591,6 +594,10 @@ def _validate_sebulba(config: Config) -> None:
         raise ConfigError(f"env.noop_max: must be >= 1 (envpool 1.2 crashes with 0), got {e.noop_max}")
     if e.envpool_threads < 0:
         raise ConfigError(f"env.envpool_threads: must be >= 0, got {e.envpool_threads}")
+    if e.max_episode_steps < 0:
+        raise ConfigError(
+            f"env.max_episode_steps: must be >= 0 (0 keeps envpool's time limit), got {e.max_episode_steps}"
+        )
     if not 0.0 <= e.sticky_actions <= 1.0:
         raise ConfigError(f"env.sticky_actions: must be in [0, 1], got {e.sticky_actions}")
     shape = host_envs.observation_shape(e.name)

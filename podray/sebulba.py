@@ -167,6 +167,7 @@ class SebulbaProgram:
                     batch_size=s.actor_batch_size,
                     piece_size=self.piece,
                     seed=self.config.seed,
+                    bootstrap_discount=self.config.agent.discount,
                     stop=self._stop,
                     on_error=self._fail,
                 )

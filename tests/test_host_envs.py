@@ -97,3 +97,64 @@ def test_actor_rows_are_consistent_in_time(envs_per_actor_thread):
         # and the behaviour outputs belong to the action taken
         assert np.all((traj.action >= 0) & (traj.action < 2))
         assert np.isfinite(traj.actor_out.logits).all()
+
+
+def _cartpole_step(obs: np.ndarray, action: np.ndarray) -> np.ndarray:
+    """gym's CartPole-v1 dynamics (Euler, tau 0.02): the observation after `action` [N] in `obs` [N, 4]."""
+    x, x_dot, theta, theta_dot = obs.T.astype(np.float64)
+    force = np.where(action == 1, 10.0, -10.0)
+    cos, sin = np.cos(theta), np.sin(theta)
+    temp = (force + 0.05 * theta_dot**2 * sin) / 1.1
+    theta_acc = (9.8 * sin - cos * temp) / (0.5 * (4.0 / 3.0 - 0.1 * cos**2 / 1.1))
+    x_acc = temp - 0.05 * theta_acc * cos / 1.1
+    return np.stack(
+        [x + 0.02 * x_dot, x_dot + 0.02 * x_acc, theta + 0.02 * theta_dot, theta_dot + 0.02 * theta_acc], axis=-1
+    ).astype(np.float32)
+
+
+@pytest.mark.parametrize("envs_per_actor_thread", [0, 32])  # sync, async
+def test_time_limit_truncates_and_bootstraps(envs_per_actor_thread):
+    """An episode cut by the time limit is not ended: its last step's target bootstraps from the value of
+    the episode's last observation. With a limit of 5 steps every CartPole episode is cut (the pole
+    cannot fall in 5 steps). Where the cut falls inside a row, the reward is 1 + gamma * V(last
+    observation) with discount 0; where it falls on a row's last step, the discount is 1 and the
+    bootstrap observation is the episode's last one."""
+    config = config_lib.load(
+        "sebulba_cartpole",
+        [
+            "run.cpu_devices=0",
+            "env.max_episode_steps=5",
+            f"sebulba.envs_per_actor_thread={envs_per_actor_thread}",
+            "sebulba.threads_per_actor_device=1",
+            "sebulba.rollout_length=12",
+        ],
+    )
+    gamma = config.agent.discount
+    program = SebulbaProgram(config, _host())
+    state = program.learner.initial_state(0)
+    params = state.train.params  # no update runs: every action is chosen with these
+    program.start(params, 0)
+    try:
+        rollouts = [r for _ in range(4) for r in program.gather(0)]
+    finally:
+        program.stop()
+    value = jax.jit(lambda obs: program.agent.apply(params, obs).value)
+    cuts = at_row_end = 0
+    for rollout in rollouts:
+        traj = jax.device_get(rollout.trajectory)
+        T = config.sebulba.rollout_length
+        cut = traj.discount == 0.0  # every episode end is a cut here
+        assert cut.any()
+        last_obs = _cartpole_step(traj.obs[:-1][cut], traj.action[cut])
+        expected = 1.0 + gamma * np.asarray(value(last_obs))
+        np.testing.assert_allclose(traj.reward[cut], expected, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(traj.reward[~cut], 1.0)
+        # a row that ends on the cut step bootstraps (discount 1) from the episode's last observation
+        np.testing.assert_allclose(traj.obs[T], _cartpole_step(traj.obs[T - 1], traj.action[T - 1]), atol=1e-4)
+        # episodes are 5 steps long: no two cuts in one row are closer than 5 steps
+        for row in range(cut.shape[1]):
+            steps = np.flatnonzero(cut[:, row])
+            assert np.all(np.diff(steps) == 5), steps
+        cuts += int(cut.sum())
+        at_row_end += int((traj.discount[-1] == 1.0).sum())
+    assert cuts > 0 and at_row_end > 0

@@ -290,6 +290,7 @@ def test_the_same_agent_object_runs_under_anakin_and_sebulba():
         (["env.name=Catch-bsuite"], "use architecture=anakin"),
         (["sebulba.envs_per_actor_thread=24"], "sebulba.envs_per_actor_thread"),
         (["network.torso=nature_cnn"], "network.torso"),
+        (["env.max_episode_steps=-1"], "env.max_episode_steps: must be >= 0"),
     ],
 )
 def test_bad_sebulba_config_is_rejected_before_compiling(overrides, message, compile_counter):

@@ -108,6 +108,8 @@ class ActorThread(threading.Thread):
       piece_size: environments per hand-over (a divisor of batch_size): a trajectory is cut along the
         batch into pieces of this size when the learner batch is smaller than the actor batch.
       seed: the run's seed.
+      bootstrap_discount: the agent's discount gamma, for the value of an episode cut by the time
+        limit (see _loop).
       stop: set when the run ends; the thread then returns within about `poll_s`.
       on_error: called with any exception raised in the thread (the run then ends with it).
       poll_s: the slice of every blocking wait, after which `stop` is checked again.
@@ -129,6 +131,7 @@ class ActorThread(threading.Thread):
         on_error: Callable[[BaseException], None],
         poll_s: float = 0.1,
         piece_size: int | None = None,
+        bootstrap_discount: float = 1.0,
     ):
         super().__init__(name=f"podray-actor-{index}", daemon=True)
         self.index = index
@@ -142,6 +145,7 @@ class ActorThread(threading.Thread):
         self._B = batch_size
         self._piece = piece_size or batch_size
         self._seed = seed
+        self._gamma = bootstrap_discount
         self._stop_event = stop
         self._on_error = on_error
         self._poll_s = poll_s
@@ -189,6 +193,7 @@ class ActorThread(threading.Thread):
         buf = new_buffers()
         t = np.zeros(N, np.int64)  # write index of each environment in the current rows
         has_prev = np.zeros(N, bool)  # an action is in flight for this environment
+        truncated = np.zeros(N, bool)  # the last recorded step of this environment hit the time limit
         oldest = np.full(N, np.iinfo(np.int64).max)  # oldest version that acted in each row
         staged: list[tuple[Trajectory, int]] = []  # async: finished rows waiting for a full batch
         staged_count = 0
@@ -207,6 +212,17 @@ class ActorThread(threading.Thread):
                 buf.reward[t[pid], pid] = step.reward[prev]
                 buf.discount[t[pid], pid] = step.discount[prev]
                 t[pid] += 1
+                truncated[pid] = step.truncated[prev]
+                # A time limit cut the episode: its return goes on past the last observation, whose
+                # value the policy computed when it acted on it (that action was ignored). Within a
+                # row the next slot holds the next episode's first observation, so that value is
+                # folded into the reward and the discount set to 0. A row that ended on the truncated
+                # step already has the last observation as its bootstrap, with discount 1.
+                cut = ids[step.first & truncated[ids]]
+                cut = cut[t[cut] > 0]
+                buf.reward[t[cut] - 1, cut] += self._gamma * buf.value[t[cut], cut]
+                buf.discount[t[cut] - 1, cut] = 0.0
+                truncated[ids[step.first]] = False
                 for r in step.episode_return[step.episode_done]:
                     stats.episode_returns.append(float(r))
             finished = t[ids] == T

@@ -13,6 +13,10 @@ Two details of envpool that this wrapper hides from the actors:
   transition of the game: the actors record none for it (podray/actors/actor.py), so a trajectory goes
   from the step that ended an episode (discount 0) straight to the first observation of the next, as
   under Anakin's JAX environments.
+- A time limit (envpool's `max_episode_steps`: 27,000 agent steps = 108,000 frames on Atari, 500 on
+  CartPole-v1) truncates an episode; it does not end it. A truncated step keeps discount 1 and is
+  flagged (`HostStep.truncated`), so that its value is bootstrapped from the last observation instead
+  of being taken as 0 (the actors fold that bootstrap into the reward, see podray/actors/actor.py).
 - With episodic life and reward clipping, the reward and the episode end used for training are not the
   game's. The returns reported to users are the real, unclipped game score over whole games
   (envpool's info["reward"] and info["terminated"]).
@@ -39,7 +43,7 @@ class HostEnvOptions:
       repeat_action_probability: sticky actions; 0 disables (Atari).
       frame_skip: frames per agent step, max-pooled over the last two (Atari).
       stack_num: frames stacked in one observation (Atari).
-      max_episode_steps: 0 keeps envpool's default time limit.
+      max_episode_steps: time limit in agent steps; 0 keeps envpool's default.
       num_threads: envpool worker threads; 0 lets envpool choose.
     """
 
@@ -60,6 +64,7 @@ class HostEnvOptions:
             reward_clip=env.reward_clip,
             noop_max=env.noop_max,
             repeat_action_probability=env.sticky_actions,
+            max_episode_steps=env.max_episode_steps,
             num_threads=env.envpool_threads,
         )
 
@@ -71,8 +76,10 @@ class HostStep:
     Attributes:
       obs: [B, *obs_shape] observation after the step (envpool's layout, see HostEnv.channels_first).
       reward: [B] float32 training reward (clipped for Atari when reward_clip is set).
-      discount: [B] float32, 0 where the training episode ended on this step or this step was
-        envpool's reset step, else 1.
+      discount: [B] float32, 0 where the training episode terminated on this step or this step was
+        envpool's reset step, else 1 (also 1 where the time limit truncated it: see `truncated`).
+      truncated: [B] bool, the time limit cut the episode on this step (and it did not terminate): the
+        next step of this environment is a reset step, and obs is the episode's last observation.
       first: [B] bool, this step was envpool's reset step: its action was ignored and obs is the first
         observation of a new episode (no transition happened).
       env_id: [B] int32 ids of the environments in this batch (all of them, in order, when sync).
@@ -83,6 +90,7 @@ class HostStep:
     obs: np.ndarray
     reward: np.ndarray
     discount: np.ndarray
+    truncated: np.ndarray
     first: np.ndarray
     env_id: np.ndarray
     episode_return: np.ndarray
@@ -233,7 +241,8 @@ class HostEnv:
         return HostStep(
             obs=obs,
             reward=np.where(was_reset, 0.0, reward).astype(np.float32),
-            discount=np.where(was_reset | done, 0.0, 1.0).astype(np.float32),
+            discount=np.where(was_reset | terminated, 0.0, 1.0).astype(np.float32),
+            truncated=np.logical_and(truncated, ~np.asarray(terminated, bool)),
             first=was_reset,
             env_id=env_id,
             episode_return=np.where(game_over, returns, 0.0).astype(np.float32),
