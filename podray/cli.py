@@ -24,9 +24,10 @@ def _train(args: argparse.Namespace) -> int:
     from podray.training import load_run_config
 
     if args.resume:
-        if args.preset or args.set:
-            raise config_lib.ConfigError("--resume continues a run with its own config; drop the preset and --set")
+        if args.preset:
+            raise config_lib.ConfigError("--resume continues a run with its own config; drop the preset")
         config = load_run_config(args.resume, check=False)
+        config = config_lib.resume_overrides(config, args.set)  # e.g. a larger total_env_steps
         run_dir = args.resume
     else:
         config = config_lib.load(args.preset, args.set, check=False)
@@ -182,7 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="override config fields, e.g. --set agent.learning_rate=3e-4 env.num_envs=64 (repeatable)",
     )
     t.add_argument("--run-dir", default=None, help="run directory (default runs/<name>-<time>)")
-    t.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    t.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue a run from its latest checkpoint; --set may then change only "
+        "total_env_steps (to extend it) and the run's logging and checkpoint fields",
+    )
     t.add_argument(
         "--address",
         default=None,

@@ -394,6 +394,34 @@ def load(preset: str | None = None, overrides: typing.Sequence[str] = (), check:
     return config
 
 
+RESUME_FIELDS = (
+    "total_env_steps",
+    "run.progress",
+    "run.tensorboard",
+    "run.checkpoint_every",
+    "run.keep_checkpoints",
+    "sebulba.timeout_s",
+)
+"""Fields `--set` may change on `--resume`: they leave the meaning of the checkpoint alone. A larger
+total_env_steps extends the run; an annealed learning rate is then stretched over the new total (it
+rises from where the old schedule had taken it to what the new one gives at this update)."""
+
+
+def resume_overrides(config: Config, overrides: typing.Sequence[str]) -> Config:
+    """`config` (a run directory's) with the `--set` overrides of a `--resume`, which may only touch
+    RESUME_FIELDS; any other field would change what the checkpoint means, so it is an error."""
+    data: dict[str, Any] = {}
+    for text in overrides:
+        key = text.split("=", 1)[0].strip()
+        if key not in RESUME_FIELDS:
+            raise ConfigError(
+                f"{key}: cannot be changed when resuming (the checkpoint was made with the run's value); "
+                f"--set on --resume takes only {', '.join(RESUME_FIELDS)}. To change it, start a new run"
+            )
+        data = _merge(data, parse_override(text))
+    return from_dict(data, base=config)
+
+
 # --------------------------------------------------------------------------------------------------
 # Validation (no JAX compilation; environment lookups are pure Python)
 

@@ -182,3 +182,31 @@ def test_default_cli_job_end_to_end(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
+    # --resume with a larger total_env_steps extends the run; fields the checkpoint depends on are refused
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "podray.cli",
+            "train",
+            "--in-process",
+            "--resume",
+            str(run),
+            "--set",
+            "total_env_steps=102400",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["env_steps"] == 102400
+    assert "total_env_steps: 102400" in (run / "config.yaml").read_text()
+    assert [row["env_steps"] for row in read_jsonl(run / "metrics.jsonl")][-2:] == [51200, 102400]
+    proc = subprocess.run(
+        [sys.executable, "-m", "podray.cli", "train", "--resume", str(run), "--set", "agent.learning_rate=1e-3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "agent.learning_rate: cannot be changed when resuming" in proc.stderr
