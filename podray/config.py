@@ -67,6 +67,10 @@ class NetworkConfig:
     """Gain of the value head's orthogonal init. 0 starts the value at 0 in every state, so the first,
     state-independent value errors (Pong's returns are about -2) train the head's bias instead of
     pushing a shared torso's features to zero."""
+    layer_norm: bool = False
+    """LayerNorm on the pre-activations of the torso's dense layers. With Pong's nearly constant value
+    targets, a plain torso's dense features died (96% zero in every state after 1,600-3,200 updates of
+    16 gradient steps: docs/benchmarks.md, session 6); normalised, every state keeps about half active."""
     chunk_rows: int = -1
     """Rows of a batch that a pixel torso (nature_cnn, impala_resnet) takes at a time; the result is
     the same, only the order of the float sums changes. -1 chooses by backend: 32 on CPU, where a

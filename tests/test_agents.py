@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from podray.agents import ActorOut, Trajectory, make_agent
-from podray.agents.networks import ActorCritic
+from podray.agents.networks import ActorCritic, make_torso
 from podray.config import AgentConfig, NetworkConfig
 from podray.envs.spec import EnvSpec
 
@@ -287,3 +287,23 @@ def test_value_head_scale_zero_starts_the_value_at_zero():
     out = jax.jit(net.apply)(params, obs)
     np.testing.assert_array_equal(np.asarray(out.value), 0.0)
     assert np.std(np.asarray(out.logits)) > 0  # the policy head keeps its own init
+
+
+@pytest.mark.parametrize("torso, shape", [("mlp", (5,)), ("nature_cnn", (84, 84, 4))])
+def test_layer_norm_keeps_dense_features_alive(torso, shape):
+    """Dense features whose biases drifted far below their pre-activations are zero in every state (dead);
+    with network.layer_norm the pre-activations are normalised per state, and about half stay active."""
+    obs = jax.random.uniform(jax.random.PRNGKey(1), (16, *shape))
+    for layer_norm in (False, True):
+        config = NetworkConfig(torso=torso, depth=1, width=64, activation="relu", layer_norm=layer_norm)
+        torso_net = make_torso(config, obs_rank=len(shape))
+        params = torso_net.init(jax.random.PRNGKey(0), obs)
+        assert ("LayerNorm_0" in params["params"]) == layer_norm
+        dense = "Dense_0"
+        shifted = jax.tree.map(lambda x: x, params)
+        shifted["params"][dense]["bias"] = params["params"][dense]["bias"] - 1e3
+        active = np.asarray(jax.jit(torso_net.apply)(shifted, obs) > 0).mean(axis=-1)  # [16] per state
+        if layer_norm:
+            assert np.all((active > 0.3) & (active < 0.7)), active
+        else:
+            np.testing.assert_array_equal(active, 0.0)

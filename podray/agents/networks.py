@@ -57,6 +57,12 @@ def _dense(features: int, scale: float = np.sqrt(2)) -> nn.Dense:
     )
 
 
+def _normed(x: chex.Array, layer_norm: bool) -> chex.Array:
+    """x, or x layer-normalised over its features (before the activation): every state then has about
+    half its units active, so a dense layer cannot die into features that are zero in every state."""
+    return nn.LayerNorm()(x) if layer_norm else x
+
+
 class MLPTorso(nn.Module):
     """`depth` dense layers of `width` units on the observation flattened (its last `obs_rank` axes)."""
 
@@ -64,13 +70,14 @@ class MLPTorso(nn.Module):
     width: int
     activation: str = "tanh"
     obs_rank: int = 1
+    layer_norm: bool = False
 
     @nn.compact
     def __call__(self, x: chex.Array) -> chex.Array:
         if self.obs_rank != 1:
             x = x.reshape(x.shape[: x.ndim - self.obs_rank] + (-1,))
         for _ in range(self.depth):
-            x = _ACTIVATIONS[self.activation](_dense(self.width)(x))
+            x = _ACTIVATIONS[self.activation](_normed(_dense(self.width)(x), self.layer_norm))
         return x
 
 
@@ -79,6 +86,7 @@ class NatureCNN(nn.Module):
 
     depth: int = 1
     width: int = 512
+    layer_norm: bool = False
 
     @nn.compact
     def __call__(self, x: chex.Array) -> chex.Array:
@@ -97,7 +105,7 @@ class NatureCNN(nn.Module):
             x = nn.relu(conv(x))
         x = x.reshape(x.shape[:-3] + (-1,))
         for _ in range(self.depth):
-            x = nn.relu(_dense(self.width)(x))
+            x = nn.relu(_normed(_dense(self.width)(x), self.layer_norm))
         return x
 
 
@@ -117,6 +125,7 @@ class ImpalaResNet(nn.Module):
     depth: int = 2
     width: int = 256
     channels: Sequence[int] = (16, 32, 32)
+    layer_norm: bool = False
 
     @nn.compact
     def __call__(self, x: chex.Array) -> chex.Array:
@@ -126,7 +135,7 @@ class ImpalaResNet(nn.Module):
             for _ in range(self.depth):
                 x = _ResidualBlock(channels)(x)
         x = nn.relu(x).reshape(x.shape[:-3] + (-1,))
-        return nn.relu(_dense(self.width)(x))
+        return nn.relu(_normed(_dense(self.width)(x), self.layer_norm))
 
 
 class ActorCriticOutput(NamedTuple):
@@ -136,11 +145,17 @@ class ActorCriticOutput(NamedTuple):
 
 def make_torso(config: NetworkConfig, obs_rank: int = 1) -> nn.Module:
     if config.torso == "mlp":
-        return MLPTorso(depth=config.depth, width=config.width, activation=config.activation, obs_rank=obs_rank)
+        return MLPTorso(
+            depth=config.depth,
+            width=config.width,
+            activation=config.activation,
+            obs_rank=obs_rank,
+            layer_norm=config.layer_norm,
+        )
     if config.torso == "nature_cnn":
-        return NatureCNN(depth=config.depth, width=config.width)
+        return NatureCNN(depth=config.depth, width=config.width, layer_norm=config.layer_norm)
     if config.torso == "impala_resnet":
-        return ImpalaResNet(depth=config.depth, width=config.width)
+        return ImpalaResNet(depth=config.depth, width=config.width, layer_norm=config.layer_norm)
     raise ValueError(f"network.torso: unknown torso {config.torso!r}")
 
 
