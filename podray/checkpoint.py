@@ -33,6 +33,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """The steps of the checkpoints kept, oldest first."""
+        return sorted(self._manager.all_steps())
+
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
         """Restores into the structure, shapes and shardings of `target` (arrays or ShapeDtypeStructs)."""
         step = self.latest_step() if step is None else step

@@ -3,7 +3,7 @@
   podray train [PRESET_OR_YAML] [--set section.field=value ...] [--run-dir DIR] [--resume RUN_DIR]
                [--address RAY_ADDRESS] [--dashboard] [--in-process]
   podray bench anakin|sebulba|ray [--out FILE] [--quick]
-  podray bench probe RUN_DIR [--out FILE]
+  podray bench probe RUN_DIR [--step UPDATE] [--out FILE]
   podray tune STUDY_YAML [--set section.field=value ...] [--storage DIR] [--name NAME] [--address ADDR]
   podray tune --resume STUDY_DIR
 
@@ -127,7 +127,7 @@ def _bench(args: argparse.Namespace) -> int:
             raise config_lib.ConfigError(f"bench probe: --frames {args.frames} must be >= 1 (default 2400)")
         from podray.bench import probe
 
-        probe.main(args.run_dir, out=args.out, frames=args.frames)
+        probe.main(args.run_dir, out=args.out, frames=args.frames, step=args.step)
         return 0
     raise config_lib.ConfigError(f"bench: unknown target '{args.target}'; choose anakin, sebulba, ray or probe")
 
@@ -211,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("target", choices=["anakin", "sebulba", "ray", "probe"], help="what to benchmark")
     b.add_argument("run_dir", nargs="?", default=None, help="probe: the run directory (its latest checkpoint)")
     b.add_argument("--frames", type=int, default=2400, help="probe: random-play frames to look at")
+    b.add_argument(
+        "--step", type=int, default=None, help="probe: the checkpoint (update) to look at; default the latest"
+    )
     b.add_argument("--out", default=None, help="write the rows as JSON to this file")
     b.add_argument("--quick", action="store_true", help="a shorter sweep (for smoke tests)")
     b.add_argument("--seconds", type=float, default=20.0, help="sebulba: seconds of steady state per setting")

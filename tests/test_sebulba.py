@@ -85,6 +85,10 @@ def test_impala_learns_cartpole_from_envpool(tmp_path):
     assert trained["features"] == config.network.width and 0.0 <= trained["dead_fraction"] <= 1.0
     assert abs(sum(trained["mean_probs"]) - 1.0) < 1e-3
     assert max(trained["logit_spread"]) > 10 * max(init["logit_spread"])
+    # and layer by layer: two dense layers in each of the two torsos (policy, value), with their dead
+    # fraction and spread over states
+    assert sorted(trained["layers"]) == [f"MLPTorso_{i}/Dense_{j}" for i in (0, 1) for j in (0, 1)]
+    assert all(0.0 <= v["dead"] <= 1.0 and v["spread"] > 0 for v in trained["layers"].values())
 
 
 def test_ppo_learns_cartpole_from_envpool(tmp_path):

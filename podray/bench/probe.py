@@ -5,6 +5,9 @@ initialised, it reports on frames from random play of the run's host environment
   - the torso's features: mean |feature|, the fraction never active (a ReLU feature that is 0 on every
     frame gets no gradient), and their spread over states (mean std of a feature across frames);
   - the policy: the logits' std across frames per action, and the mean action probabilities;
+  - each layer of the torso (convolutions and dense layers, after their ReLU): the fraction of its
+    channels never active on any frame and position, and their spread over states. A dead layer cuts
+    every gradient to the layers below it, so this says where a torso died;
   - the value: mean and std across frames.
 A policy can only depend on the state through features that vary with it; docs/benchmarks.md (the
 Pong runs) shows how these figures tell a dying or state-blind torso from one that is learning.
@@ -16,6 +19,7 @@ import json
 import pathlib
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,6 +65,45 @@ def forward(agent, channels_first: bool):
     return run
 
 
+def layer_forward(agent, channels_first: bool):
+    """A jitted (params, obs [N, ...]) -> {layer path: pre-activations [N, ..., C]} of the torso's layers."""
+    torsos = (NatureCNN, ImpalaResNet, MLPTorso)
+
+    @jax.jit
+    def run(params, obs):
+        obs = host_envs.to_channels_last(obs, channels_first)
+        _, state = agent.network.apply(
+            params,
+            obs,
+            capture_intermediates=lambda m, name: name == "__call__" and isinstance(m, (nn.Conv, nn.Dense)),
+        )
+        layers = {}
+        for path, calls in jax.tree_util.tree_flatten_with_path(
+            state["intermediates"], is_leaf=lambda x: isinstance(x, tuple)
+        )[0]:
+            names = [str(getattr(k, "key", k)) for k in path if str(getattr(k, "key", k)) != "__call__"]
+            if any(n.startswith(tuple(t.__name__ for t in torsos)) for n in names):  # heads are left out
+                layers["/".join(names)] = jnp.concatenate(calls)
+        return layers
+
+    return run
+
+
+def layer_health(run_layers, params: Any, frames: np.ndarray, activation: str = "relu") -> dict[str, dict[str, float]]:
+    """Per torso layer, after its activation: dead (ReLU: fraction of channels zero on every frame and
+    position; tanh: fraction that do not vary over frames) and spread (std over frames, averaged over
+    channels and positions)."""
+    out = {}
+    for name, z in run_layers(params, jnp.asarray(frames)).items():
+        z = np.asarray(z, np.float64)
+        a = np.tanh(z) if activation == "tanh" else np.maximum(z, 0.0)
+        per_channel = a.reshape(a.shape[0], -1, a.shape[-1])  # [N, positions, C]
+        std = per_channel.std(axis=0)  # [positions, C]
+        dead = std.max(axis=0) <= 1e-6 if activation == "tanh" else per_channel.max(axis=(0, 1)) <= 0
+        out[name] = {"dead": float(dead.mean()), "spread": float(std.mean())}
+    return out
+
+
 def probe(run, params: Any, frames: np.ndarray) -> dict[str, Any]:
     """The figures of the module docstring for `params` on `frames` [N, ...], with `run` from forward()."""
     out, features = run(params, jnp.asarray(frames))
@@ -79,8 +122,10 @@ def probe(run, params: Any, frames: np.ndarray) -> dict[str, Any]:
     }
 
 
-def probe_run(run_dir: str | pathlib.Path, frames: int = 2400, seed: int = 3) -> dict[str, Any]:
-    """Probes a Sebulba run's latest checkpoint and the same network at initialisation."""
+def probe_run(
+    run_dir: str | pathlib.Path, frames: int = 2400, seed: int = 3, step: int | None = None
+) -> dict[str, Any]:
+    """Probes a Sebulba run's checkpoint (`step`, default the latest) and the same network at init."""
     from podray.learners.learner import LearnerState
     from podray.training import load_run_config
 
@@ -89,9 +134,15 @@ def probe_run(run_dir: str | pathlib.Path, frames: int = 2400, seed: int = 3) ->
     if config.architecture != "sebulba":
         raise config_lib.ConfigError(f"bench probe: {run_dir} is a {config.architecture} run; it probes sebulba runs")
     checkpoints = Checkpointer(run_dir / "checkpoints")
-    step = checkpoints.latest_step()
-    if step is None:
+    steps = checkpoints.all_steps()
+    if not steps:
         raise FileNotFoundError(f"bench probe: no checkpoint in {run_dir / 'checkpoints'}; probe a run that saved one")
+    if step is None:
+        step = max(steps)
+    elif step not in steps:
+        raise config_lib.ConfigError(
+            f"bench probe --step: no checkpoint {step} in {run_dir}; there are {sorted(steps)}"
+        )
     spec, channels_first = host_envs.env_spec(config.env.name)
     agent = make_agent(config.agent, config.network, spec, num_updates=1)
     init = LearnerState(train=agent.init(jax.random.PRNGKey(config.seed)), key=jax.random.PRNGKey(0))
@@ -99,18 +150,22 @@ def probe_run(run_dir: str | pathlib.Path, frames: int = 2400, seed: int = 3) ->
     checkpoints.close()
     obs = random_play_frames(config, frames, seed)
     run = forward(agent, channels_first)
+    layers = layer_forward(agent, channels_first)
+    activation = config.network.activation if config.network.torso == "mlp" else "relu"
     return {
         "run_dir": str(run_dir),
         "checkpoint_step": int(step),
         "env_steps": meta.get("env_steps"),
         "frames": int(len(obs)),
-        "init": probe(run, init.train.params, obs),
-        "trained": probe(run, state.train.params, obs),
+        "init": probe(run, init.train.params, obs)
+        | {"layers": layer_health(layers, init.train.params, obs, activation)},
+        "trained": probe(run, state.train.params, obs)
+        | {"layers": layer_health(layers, state.train.params, obs, activation)},
     }
 
 
-def main(run_dir: str, out: str | None = None, frames: int = 2400) -> dict[str, Any]:
-    result = probe_run(run_dir, frames)
+def main(run_dir: str, out: str | None = None, frames: int = 2400, step: int | None = None) -> dict[str, Any]:
+    result = probe_run(run_dir, frames, step=step)
     where = f"{result['run_dir']} @ update {result['checkpoint_step']} ({result['env_steps']} env steps)"
     print(f"{where}, {result['frames']} frames")
     for name in ("init", "trained"):
@@ -120,6 +175,12 @@ def main(run_dir: str, out: str | None = None, frames: int = 2400) -> dict[str, 
             f"  spread {r['feature_spread']:.4f}"
             f"  value {r['value_mean']:+.2f} +- {r['value_std']:.2f}  logit spread {r['logit_spread']}"
             f"  mean probs {r['mean_probs']}"
+        )
+        print(
+            "           layers (dead, spread): "
+            + "  ".join(
+                f"{'/'.join(k.split('/')[-2:])} {v['dead']:.2f} {v['spread']:.4f}" for k, v in r["layers"].items()
+            )
         )
     if out:
         pathlib.Path(out).write_text(json.dumps(result, indent=2) + "\n")
