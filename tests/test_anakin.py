@@ -144,30 +144,21 @@ def test_replicas_share_a_device_and_differ():
     assert metrics[0]["loss"].shape == (3,)
 
 
+def _podray(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Runs the `podray` command line in a fresh Python process."""
+    return subprocess.run([sys.executable, "-m", "podray.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
 def test_default_cli_job_end_to_end(tmp_path):
     """`podray train` with the default preset (through an embedded Ray), shortened, writes the whole run
     directory and leaves no Ray running."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "podray.cli",
-            "train",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--set",
-            "total_env_steps=51200",
-            "--set",
-            "anakin.updates_per_call=25",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    run = tmp_path / "run"
+    proc = _podray(
+        "train", "--run-dir", str(run), "--set", "total_env_steps=51200", "--set", "anakin.updates_per_call=25"
     )
     assert proc.returncode == 0, proc.stderr
     assert "done: final mean return" in proc.stdout
     assert "env steps" in proc.stdout and "steps/s" in proc.stdout
-    run = tmp_path / "run"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["env_steps"] == 51200 and summary["steps_per_s"] > 0
     assert summary["final_mean_return"] > 20  # learning has started
@@ -175,38 +166,13 @@ def test_default_cli_job_end_to_end(tmp_path):
     assert any((run / "tensorboard").iterdir())
     assert any((run / "checkpoints").iterdir())
     # and --resume of a finished run (here in-process, without Ray) is a no-op that reports the same steps
-    proc = subprocess.run(
-        [sys.executable, "-m", "podray.cli", "train", "--in-process", "--resume", str(run)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _podray("train", "--in-process", "--resume", str(run))
     assert proc.returncode == 0, proc.stderr
     # --resume with a larger total_env_steps extends the run; fields the checkpoint depends on are refused
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "podray.cli",
-            "train",
-            "--in-process",
-            "--resume",
-            str(run),
-            "--set",
-            "total_env_steps=102400",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _podray("train", "--in-process", "--resume", str(run), "--set", "total_env_steps=102400")
     assert proc.returncode == 0, proc.stderr
     assert json.loads((run / "summary.json").read_text())["env_steps"] == 102400
     assert "total_env_steps: 102400" in (run / "config.yaml").read_text()
     assert [row["env_steps"] for row in read_jsonl(run / "metrics.jsonl")][-2:] == [51200, 102400]
-    proc = subprocess.run(
-        [sys.executable, "-m", "podray.cli", "train", "--resume", str(run), "--set", "agent.learning_rate=1e-3"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = _podray("train", "--resume", str(run), "--set", "agent.learning_rate=1e-3", timeout=60)
     assert proc.returncode == 2 and "agent.learning_rate: cannot be changed when resuming" in proc.stderr

@@ -48,16 +48,27 @@ def random_play_frames(config: config_lib.Config, frames: int, seed: int = 3, en
         env.close()
 
 
-def forward(agent, channels_first: bool):
-    """A jitted (params, obs [N, ...] in envpool's layout) -> (network output, policy-torso features [N, F])."""
-    torsos = (NatureCNN, ImpalaResNet, MLPTorso)
+_TORSOS = (NatureCNN, ImpalaResNet, MLPTorso)
+
+
+def _capturing(agent, channels_first: bool, keep):
+    """A jitted (params, obs [N, ...] in envpool's layout) -> (network output, flax intermediates of
+    the modules that `keep(module)` selects)."""
 
     @jax.jit
     def run(params, obs):
         obs = host_envs.to_channels_last(obs, channels_first)
-        out, state = agent.network.apply(
-            params, obs, capture_intermediates=lambda m, name: isinstance(m, torsos) and name == "__call__"
-        )
+        return agent.network.apply(params, obs, capture_intermediates=lambda m, name: name == "__call__" and keep(m))
+
+    return run
+
+
+def forward(agent, channels_first: bool):
+    """(params, obs [N, ...] in envpool's layout) -> (network output, policy-torso features [N, F])."""
+    capture = _capturing(agent, channels_first, lambda m: isinstance(m, _TORSOS))
+
+    def run(params, obs):
+        out, state = capture(params, obs)
         # The first torso is the policy's (the only one when shared); chunked calls are concatenated.
         calls = next(iter(state["intermediates"].values()))["__call__"]
         return out, jnp.concatenate(calls)
@@ -66,23 +77,17 @@ def forward(agent, channels_first: bool):
 
 
 def layer_forward(agent, channels_first: bool):
-    """A jitted (params, obs [N, ...]) -> {layer path: pre-activations [N, ..., C]} of the torso's layers."""
-    torsos = (NatureCNN, ImpalaResNet, MLPTorso)
+    """(params, obs [N, ...]) -> {layer path: pre-activations [N, ..., C]} of the torso's layers."""
+    capture = _capturing(agent, channels_first, lambda m: isinstance(m, (nn.Conv, nn.Dense)))
+    prefixes = tuple(t.__name__ for t in _TORSOS)
 
-    @jax.jit
     def run(params, obs):
-        obs = host_envs.to_channels_last(obs, channels_first)
-        _, state = agent.network.apply(
-            params,
-            obs,
-            capture_intermediates=lambda m, name: name == "__call__" and isinstance(m, (nn.Conv, nn.Dense)),
-        )
+        _, state = capture(params, obs)
         layers = {}
-        for path, calls in jax.tree_util.tree_flatten_with_path(
-            state["intermediates"], is_leaf=lambda x: isinstance(x, tuple)
-        )[0]:
+        leaves = jax.tree_util.tree_flatten_with_path(state["intermediates"], is_leaf=lambda x: isinstance(x, tuple))
+        for path, calls in leaves[0]:
             names = [str(getattr(k, "key", k)) for k in path if str(getattr(k, "key", k)) != "__call__"]
-            if any(n.startswith(tuple(t.__name__ for t in torsos)) for n in names):  # heads are left out
+            if any(n.startswith(prefixes) for n in names):  # the heads are left out
                 layers["/".join(names)] = jnp.concatenate(calls)
         return layers
 
