@@ -417,13 +417,14 @@ def resume_overrides(config: Config, overrides: typing.Sequence[str]) -> Config:
     RESUME_FIELDS; any other field would change what the checkpoint means, so it is an error."""
     data: dict[str, Any] = {}
     for text in overrides:
+        override = parse_override(text)  # a malformed override gets parse_override's own message
         key = text.split("=", 1)[0].strip()
         if key not in RESUME_FIELDS:
             raise ConfigError(
                 f"{key}: cannot be changed when resuming (the checkpoint was made with the run's value); "
                 f"--set on --resume takes only {', '.join(RESUME_FIELDS)}. To change it, start a new run"
             )
-        data = _merge(data, parse_override(text))
+        data = _merge(data, override)
     return from_dict(data, base=config)
 
 

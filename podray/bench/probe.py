@@ -51,55 +51,38 @@ def random_play_frames(config: config_lib.Config, frames: int, seed: int = 3, en
 _TORSOS = (NatureCNN, ImpalaResNet, MLPTorso)
 
 
-def _capturing(agent, channels_first: bool, keep):
-    """A jitted (params, obs [N, ...] in envpool's layout) -> (network output, flax intermediates of
-    the modules that `keep(module)` selects)."""
+def forward(agent, channels_first: bool):
+    """A jitted (params, obs [N, ...] in envpool's layout) -> (network output, policy-torso features
+    [N, F], {torso layer path: pre-activations [N, ..., C]}), from one pass of the network."""
+    prefixes = tuple(t.__name__ for t in _TORSOS)
+    keep = (*_TORSOS, nn.Conv, nn.Dense)
 
     @jax.jit
     def run(params, obs):
         obs = host_envs.to_channels_last(obs, channels_first)
-        return agent.network.apply(params, obs, capture_intermediates=lambda m, name: name == "__call__" and keep(m))
-
-    return run
-
-
-def forward(agent, channels_first: bool):
-    """(params, obs [N, ...] in envpool's layout) -> (network output, policy-torso features [N, F])."""
-    capture = _capturing(agent, channels_first, lambda m: isinstance(m, _TORSOS))
-
-    def run(params, obs):
-        out, state = capture(params, obs)
+        out, state = agent.network.apply(
+            params, obs, capture_intermediates=lambda m, name: name == "__call__" and isinstance(m, keep)
+        )
         # The first torso is the policy's (the only one when shared); chunked calls are concatenated.
-        calls = next(iter(state["intermediates"].values()))["__call__"]
-        return out, jnp.concatenate(calls)
-
-    return run
-
-
-def layer_forward(agent, channels_first: bool):
-    """(params, obs [N, ...]) -> {layer path: pre-activations [N, ..., C]} of the torso's layers."""
-    capture = _capturing(agent, channels_first, lambda m: isinstance(m, (nn.Conv, nn.Dense)))
-    prefixes = tuple(t.__name__ for t in _TORSOS)
-
-    def run(params, obs):
-        _, state = capture(params, obs)
+        features = jnp.concatenate(next(iter(state["intermediates"].values()))["__call__"])
         layers = {}
         leaves = jax.tree_util.tree_flatten_with_path(state["intermediates"], is_leaf=lambda x: isinstance(x, tuple))
         for path, calls in leaves[0]:
             names = [str(getattr(k, "key", k)) for k in path if str(getattr(k, "key", k)) != "__call__"]
-            if any(n.startswith(prefixes) for n in names):  # the heads are left out
+            # a torso's own output is its features, above; the heads are left out
+            if len(names) > 1 and names[0].startswith(prefixes):
                 layers["/".join(names)] = jnp.concatenate(calls)
-        return layers
+        return out, features, layers
 
     return run
 
 
-def layer_health(run_layers, params: Any, frames: np.ndarray, activation: str = "relu") -> dict[str, dict[str, float]]:
-    """Per torso layer, after its activation: dead (ReLU: fraction of channels zero on every frame and
-    position; tanh: fraction that do not vary over frames) and spread (std over frames, averaged over
-    channels and positions)."""
+def layer_health(layers: dict[str, Any], activation: str = "relu") -> dict[str, dict[str, float]]:
+    """Per torso layer (pre-activations from forward()), after its activation: dead (ReLU: fraction of
+    channels zero on every frame and position; tanh: fraction that do not vary over frames) and spread
+    (std over frames, averaged over channels and positions)."""
     out = {}
-    for name, z in run_layers(params, jnp.asarray(frames)).items():
+    for name, z in layers.items():
         z = np.asarray(z, np.float64)
         a = np.tanh(z) if activation == "tanh" else np.maximum(z, 0.0)
         per_channel = a.reshape(a.shape[0], -1, a.shape[-1])  # [N, positions, C]
@@ -109,9 +92,9 @@ def layer_health(run_layers, params: Any, frames: np.ndarray, activation: str = 
     return out
 
 
-def probe(run, params: Any, frames: np.ndarray) -> dict[str, Any]:
+def probe(run, params: Any, frames: np.ndarray, activation: str = "relu") -> dict[str, Any]:
     """The figures of the module docstring for `params` on `frames` [N, ...], with `run` from forward()."""
-    out, features = run(params, jnp.asarray(frames))
+    out, features, layers = run(params, jnp.asarray(frames))
     features, logits, value = (np.asarray(x, np.float64) for x in (features, out.logits, out.value))
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
@@ -124,6 +107,7 @@ def probe(run, params: Any, frames: np.ndarray) -> dict[str, Any]:
         "mean_probs": [round(float(p), 4) for p in probs.mean(0)],
         "value_mean": float(value.mean()),
         "value_std": float(value.std()),
+        "layers": layer_health(layers, activation),
     }
 
 
@@ -155,17 +139,14 @@ def probe_run(
     checkpoints.close()
     obs = random_play_frames(config, frames, seed)
     run = forward(agent, channels_first)
-    layers = layer_forward(agent, channels_first)
     activation = config.network.activation if config.network.torso == "mlp" else "relu"
     return {
         "run_dir": str(run_dir),
         "checkpoint_step": int(step),
         "env_steps": meta.get("env_steps"),
         "frames": int(len(obs)),
-        "init": probe(run, init.train.params, obs)
-        | {"layers": layer_health(layers, init.train.params, obs, activation)},
-        "trained": probe(run, state.train.params, obs)
-        | {"layers": layer_health(layers, state.train.params, obs, activation)},
+        "init": probe(run, init.train.params, obs, activation),
+        "trained": probe(run, state.train.params, obs, activation),
     }
 
 
