@@ -125,6 +125,11 @@ class AgentConfig:
     """Importance-weight clip of the V-trace value targets (impala)."""
     clip_pg_rho_threshold: float = 1.0
     """Importance-weight clip of the V-trace policy-gradient advantages (impala)."""
+    surrogate_clip: float = 0.0
+    """IMPALA with a trust region (what RLlib calls APPO): above 0, the policy loss is PPO's clipped
+    surrogate -min(rho A, clip(rho, 1 - eps, 1 + eps) A) with rho = pi / mu against the behaviour
+    policy, A the V-trace advantage q_s - V(x_s) and eps this value; clip_pg_rho_threshold is then
+    unused. 0 keeps IMPALA's policy gradient min(rho, clip_pg_rho_threshold) A log pi."""
 
 
 @dataclass
@@ -476,6 +481,16 @@ def validate(config: Config) -> None:
             raise ConfigError(f"agent.{name}: must be in [0, 1], got {value}")
     for name in ("clip_epsilon", "clip_rho_threshold", "clip_pg_rho_threshold"):
         _positive(f"agent.{name}", getattr(a, name))
+    if not 0.0 <= a.surrogate_clip < 1.0:
+        raise ConfigError(
+            f"agent.surrogate_clip: must be in [0, 1) (0 = IMPALA's policy gradient, e.g. 0.1 for a clipped"
+            f" surrogate), got {a.surrogate_clip}"
+        )
+    if a.surrogate_clip > 0 and a.name != "impala":
+        raise ConfigError(
+            f"agent.surrogate_clip: applies to agent.name=impala only (ppo clips with agent.clip_epsilon),"
+            f" got agent.name={a.name}"
+        )
     for name in ("value_coef", "entropy_coef"):
         if getattr(a, name) < 0:
             raise ConfigError(f"agent.{name}: must be >= 0, got {getattr(a, name)}")

@@ -230,6 +230,50 @@ def test_impala_normalized_advantages_ignore_the_reward_scale():
     np.testing.assert_allclose(flat_grad(raw, scaled), 100.0 * flat_grad(raw, traj), rtol=1e-3, atol=1e-5)
 
 
+def _zero_value_head(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.zeros_like(x) if "Dense_1" in jax.tree_util.keystr(path) else x, params
+    )
+
+
+def test_impala_surrogate_clip_is_a_trust_region_on_the_vtrace_policy_gradient():
+    """With `surrogate_clip` (APPO) the policy loss is PPO's clipped surrogate on V-trace advantages:
+    on-policy it has IMPALA's gradient; where every ratio is past 1 + eps on an advantage's side it
+    gives none, and past 1 - eps it keeps the full one."""
+    base = AgentConfig(name="impala", normalize_advantages=True, value_coef=0.0, entropy_coef=0.0)
+    clipped = dataclasses.replace(base, surrogate_clip=0.1)
+    plain_agent = make_agent(base, NetworkConfig(), SPEC, num_updates=1)
+    agent = make_agent(clipped, NetworkConfig(), SPEC, num_updates=1)
+    params = plain_agent.init(jax.random.PRNGKey(0)).params
+    traj = _trajectory(jax.random.PRNGKey(5))
+    out = agent.apply(params, traj.obs[:-1])
+
+    def flat_grad(a, t, p=params):
+        return jax.flatten_util.ravel_pytree(jax.grad(lambda q: a.loss(q, t)[0])(p))[0]
+
+    on_policy = traj.replace(actor_out=ActorOut(logits=out.logits, value=out.value))
+    g = flat_grad(agent, on_policy)
+    assert float(jnp.abs(g).max()) > 0
+    np.testing.assert_allclose(g, flat_grad(plain_agent, on_policy), rtol=1e-4, atol=1e-7)
+    _, metrics = agent.loss(params, on_policy)
+    assert float(metrics["clip_fraction"]) == 0.0 and abs(float(metrics["approx_kl"])) < 1e-6
+
+    # A zero value head and positive rewards: every raw advantage is positive.
+    raw = make_agent(dataclasses.replace(clipped, normalize_advantages=False), NetworkConfig(), SPEC, num_updates=1)
+    params0 = _zero_value_head(params)
+    out0 = agent.apply(params0, traj.obs[:-1])
+    onehot = jax.nn.one_hot(traj.action, SPEC.num_actions)
+    positive = on_policy.replace(reward=jnp.abs(traj.reward) + 0.1)
+    # The behaviour policy took each action far less often than the current one: rho > 1 + eps.
+    rare = positive.replace(actor_out=ActorOut(logits=out0.logits - 3.0 * onehot, value=out0.value))
+    _, metrics = raw.loss(params0, rare)
+    assert float(metrics["clip_fraction"]) == 1.0 and float(metrics["mean_rho"]) > 1.1
+    np.testing.assert_allclose(flat_grad(raw, rare, params0), 0.0, atol=1e-7)
+    # Far more often: rho < 1 - eps, where a positive advantage is not clipped.
+    common = positive.replace(actor_out=ActorOut(logits=out0.logits + 3.0 * onehot, value=out0.value))
+    assert float(jnp.abs(flat_grad(raw, common, params0)).max()) > 1e-4
+
+
 def test_impala_minibatches_are_sequential_steps_on_shuffled_environments():
     """IMPALA with epochs x num_minibatches: each step is the one-step update on a minibatch of whole
     sequences (environments of the batch, in the order the epoch's key shuffles them)."""

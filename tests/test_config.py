@@ -43,6 +43,8 @@ def test_override_types_and_scientific_notation():
         (["env.num_envs=6", "run.cpu_devices=4"], "env.num_envs"),
         (["agent.num_minibatches=3"], "agent.num_minibatches"),
         (["agent.epochs=-1"], "agent.epochs"),
+        (["agent.name=impala", "agent.surrogate_clip=1.5"], "agent.surrogate_clip"),
+        (["agent.surrogate_clip=0.1"], "agent.surrogate_clip"),  # ppo clips with clip_epsilon
         (["run.devices=[0, 0]"], "run.devices"),
     ],
 )

@@ -3,6 +3,8 @@
 Under Anakin the behaviour policy is the current one (the ratios are 1); under Sebulba the actors lag
 the learner and V-trace corrects for it. One `update` is one gradient step on the whole batch by
 default; `epochs` and `num_minibatches` make it several, each on a minibatch of whole sequences.
+With `surrogate_clip` the policy loss is PPO's clipped surrogate on V-trace advantages (APPO), the
+trust region that lets it take several normalised-advantage steps per batch without collapsing.
 """
 
 from __future__ import annotations
@@ -38,12 +40,25 @@ class IMPALA(Agent):
             out_axes=1,
         )(out.value[:-1], out.value[1:], trajectory.reward, c.discount * trajectory.discount, rho)
         ones = jnp.ones_like(trajectory.reward)
-        pg_advantage = vtrace.pg_advantage
-        if c.normalize_advantages:
-            pg_advantage = normalize(pg_advantage, axis_name)
-        policy_loss = jax.vmap(rlax.policy_gradient_loss, in_axes=1)(
-            logits, trajectory.action, pg_advantage, ones
-        ).mean()
+        extra = {}
+        if c.surrogate_clip > 0:
+            # A trust region on the V-trace policy gradient (APPO): the advantage without V-trace's
+            # importance weight, which the surrogate's ratio rho = pi / mu takes the place of.
+            advantage = jax.lax.stop_gradient(vtrace.q_estimate - out.value[:-1])
+            if c.normalize_advantages:
+                advantage = normalize(advantage, axis_name)
+            policy_loss = rlax.clipped_surrogate_pg_loss(rho.ravel(), advantage.ravel(), c.surrogate_clip)
+            extra = {
+                "clip_fraction": jnp.mean(jnp.abs(rho - 1.0) > c.surrogate_clip),
+                "approx_kl": jnp.mean((rho - 1.0) - jnp.log(rho)),
+            }
+        else:
+            pg_advantage = vtrace.pg_advantage
+            if c.normalize_advantages:
+                pg_advantage = normalize(pg_advantage, axis_name)
+            policy_loss = jax.vmap(rlax.policy_gradient_loss, in_axes=1)(
+                logits, trajectory.action, pg_advantage, ones
+            ).mean()
         value_loss = 0.5 * jnp.mean(jnp.square(vtrace.errors))
         entropy_loss = jax.vmap(rlax.entropy_loss, in_axes=1)(logits, ones).mean()
         loss = policy_loss + c.value_coef * value_loss + c.entropy_coef * entropy_loss
@@ -53,6 +68,7 @@ class IMPALA(Agent):
             "value_loss": value_loss,
             "entropy": -entropy_loss,
             "mean_rho": rho.mean(),
+            **extra,
         }
         return loss, metrics
 
