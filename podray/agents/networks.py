@@ -127,8 +127,8 @@ _max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)
 
 
 def max_pool(x: chex.Array, window: int = 3, stride: int = 2) -> chex.Array:
-    """Max pool of [..., H, W, C] images with SAME padding: nn.max_pool's result and gradient; on CPU the gradient
-    is `_max_pool_bwd`'s (about 3x faster there), elsewhere the backend's own."""
+    """Max pool of [..., H, W, C] images with SAME padding: nn.max_pool's result and gradient. On CPU the
+    gradient is `_max_pool_bwd`'s (about 10x faster than XLA:CPU's own there), elsewhere the backend's."""
     if jax.default_backend() == "cpu":
         lead = x.shape[:-3]
         y = _max_pool(x.reshape((-1,) + x.shape[-3:]), window, stride)
