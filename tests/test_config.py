@@ -58,7 +58,7 @@ def test_bad_config_names_the_field_without_compiling(overrides, field, compile_
 
 def test_impala_minibatches_split_environments_not_samples(compile_counter):
     """IMPALA's minibatches are whole sequences: their count must divide the environments per device."""
-    ok = config_lib.load("sebulba_pong", ["agent.num_minibatches=4", "sebulba.learner_batch_size=16"])
+    ok = config_lib.load("sebulba_pong", ["agent.epochs=1", "agent.num_minibatches=4", "sebulba.learner_batch_size=16"])
     assert config_lib.sgd_schedule(ok.agent) == (1, 4)
     # 16 environments x 64 steps: 1,024 samples split into 32, 16 environments do not
     with pytest.raises(ConfigError, match="^agent.num_minibatches: 32 does not divide the per-device environments"):

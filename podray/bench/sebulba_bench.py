@@ -89,6 +89,7 @@ def _config(torso: str, batch: int, threads: int, split: str, env: str, rollout_
         f"sebulba.learner_batch_size={learner_batch}",
         f"sebulba.rollout_length={rollout_length}",
         "sebulba.queue_size=2",
+        "agent.epochs=1",
         "agent.num_minibatches=1",  # one step per learner batch, as in the sweeps recorded in docs/benchmarks.md
         "sebulba.max_policy_lag=1000",
         "sebulba.timeout_s=600",
