@@ -230,14 +230,17 @@ def test_normalize_uses_the_whole_batch_across_devices():
     np.testing.assert_allclose(normalize(x), expected, rtol=1e-4, atol=1e-4)
 
 
+def _zero_value_head(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.zeros_like(x) if "Dense_1" in jax.tree_util.keystr(path) else x, params
+    )
+
+
 def test_impala_normalized_advantages_ignore_the_reward_scale():
     config = AgentConfig(name="impala", normalize_advantages=True, value_coef=0.0, entropy_coef=0.0)
     agent = make_agent(config, NetworkConfig(), SPEC, num_updates=1)
     params = agent.init(jax.random.PRNGKey(0)).params
-    # A zero value head: the V-trace advantages are then linear in the rewards.
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, x: jnp.zeros_like(x) if "Dense_1" in jax.tree_util.keystr(path) else x, params
-    )
+    params = _zero_value_head(params)  # the V-trace advantages are then linear in the rewards
     traj = _trajectory(jax.random.PRNGKey(4))
     out = agent.apply(params, traj.obs[:-1])
     traj = traj.replace(actor_out=ActorOut(logits=out.logits, value=out.value))
@@ -249,12 +252,6 @@ def test_impala_normalized_advantages_ignore_the_reward_scale():
     np.testing.assert_allclose(flat_grad(agent, scaled), flat_grad(agent, traj), rtol=1e-3, atol=1e-6)
     raw = make_agent(dataclasses.replace(config, normalize_advantages=False), NetworkConfig(), SPEC, num_updates=1)
     np.testing.assert_allclose(flat_grad(raw, scaled), 100.0 * flat_grad(raw, traj), rtol=1e-3, atol=1e-5)
-
-
-def _zero_value_head(params):
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: jnp.zeros_like(x) if "Dense_1" in jax.tree_util.keystr(path) else x, params
-    )
 
 
 def test_impala_surrogate_clip_is_a_trust_region_on_the_vtrace_policy_gradient():
