@@ -272,6 +272,15 @@ def normalize(x: chex.Array, axis_name: AxisName = None, eps: float = 1e-8) -> c
     return (x - mean) / (jnp.sqrt(jnp.maximum(var, 0.0)) + eps)
 
 
+def ratio_metrics(ratio: chex.Array, epsilon: float) -> dict[str, chex.Array]:
+    """How far a clipped surrogate's policy moved from the acting one: approximate KL and the
+    fraction of ratios outside [1 - epsilon, 1 + epsilon]."""
+    return {
+        "approx_kl": jnp.mean((ratio - 1.0) - jnp.log(ratio)),
+        "clip_fraction": jnp.mean(jnp.abs(ratio - 1.0) > epsilon),
+    }
+
+
 def log_prob(logits: chex.Array, action: chex.Array) -> chex.Array:
     """log pi(action) for logits [..., A] and int actions [...]."""
     logp = jax.nn.log_softmax(logits)

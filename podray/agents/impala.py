@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import rlax
 
-from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob, normalize
+from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob, normalize, ratio_metrics
 
 
 class IMPALA(Agent):
@@ -40,24 +40,17 @@ class IMPALA(Agent):
             out_axes=1,
         )(out.value[:-1], out.value[1:], trajectory.reward, c.discount * trajectory.discount, rho)
         ones = jnp.ones_like(trajectory.reward)
-        extra = {}
-        if c.surrogate_clip > 0:
-            # A trust region on the V-trace policy gradient (APPO): the advantage without V-trace's
-            # importance weight, which the surrogate's ratio rho = pi / mu takes the place of.
-            advantage = jax.lax.stop_gradient(vtrace.q_estimate - out.value[:-1])
-            if c.normalize_advantages:
-                advantage = normalize(advantage, axis_name)
+        clipped = c.surrogate_clip > 0
+        # With the trust region (APPO) the advantage goes without V-trace's importance weight: the
+        # surrogate's ratio rho = pi / mu takes its place.
+        advantage = jax.lax.stop_gradient(vtrace.q_estimate - out.value[:-1]) if clipped else vtrace.pg_advantage
+        if c.normalize_advantages:
+            advantage = normalize(advantage, axis_name)
+        if clipped:
             policy_loss = rlax.clipped_surrogate_pg_loss(rho.ravel(), advantage.ravel(), c.surrogate_clip)
-            extra = {
-                "clip_fraction": jnp.mean(jnp.abs(rho - 1.0) > c.surrogate_clip),
-                "approx_kl": jnp.mean((rho - 1.0) - jnp.log(rho)),
-            }
         else:
-            pg_advantage = vtrace.pg_advantage
-            if c.normalize_advantages:
-                pg_advantage = normalize(pg_advantage, axis_name)
             policy_loss = jax.vmap(rlax.policy_gradient_loss, in_axes=1)(
-                logits, trajectory.action, pg_advantage, ones
+                logits, trajectory.action, advantage, ones
             ).mean()
         value_loss = 0.5 * jnp.mean(jnp.square(vtrace.errors))
         entropy_loss = jax.vmap(rlax.entropy_loss, in_axes=1)(logits, ones).mean()
@@ -68,7 +61,7 @@ class IMPALA(Agent):
             "value_loss": value_loss,
             "entropy": -entropy_loss,
             "mean_rho": rho.mean(),
-            **extra,
+            **(ratio_metrics(rho, c.surrogate_clip) if clipped else {}),
         }
         return loss, metrics
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import rlax
 
-from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob, normalize
+from podray.agents.base import Agent, AxisName, TrainState, Trajectory, log_prob, normalize, ratio_metrics
 
 
 @chex.dataclass(frozen=True)
@@ -65,8 +65,7 @@ class PPO(Agent):
             "policy_loss": policy_loss,
             "value_loss": value_loss,
             "entropy": -entropy_loss,
-            "approx_kl": jnp.mean((ratio - 1.0) - jnp.log(ratio)),
-            "clip_fraction": jnp.mean(jnp.abs(ratio - 1.0) > c.clip_epsilon),
+            **ratio_metrics(ratio, c.clip_epsilon),
         }
         return loss, metrics
 
