@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from podray import config as config_lib
 from podray.agents import TrainState, Trajectory, make_agent
 from podray.envs.jax_envs import EnvState, JaxEnv
-from podray.host import DEVICE_AXIS, HostContext
+from podray.host import DEVICE_AXIS, HostContext, compiler_options
 from podray.program import Summary
 
 
@@ -96,10 +96,12 @@ class AnakinProgram:
             f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
         )
         over_replicas = jax.vmap if k.replicas > 1 else _single_replica
-        self.init = jax.jit(shard(over_replicas(self._init_replica), P(), self._state_spec))
+        options = compiler_options(mesh.devices.flat)
+        self.init = jax.jit(shard(over_replicas(self._init_replica), P(), self._state_spec), compiler_options=options)
         self.step = jax.jit(
             shard(over_replicas(self._call_replica), (self._state_spec,), (self._state_spec, P())),
             donate_argnums=0,
+            compiler_options=options,
         )
 
     # ---- the per-device, per-replica program -------------------------------------------------------

@@ -6,6 +6,8 @@ process with 4 fake CPU devices or on 4 hosts of 8 TPU cores each (shared/DESIGN
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -87,3 +89,38 @@ def configure_cpu_devices_if_not_started(count: int) -> None:
 
     if not xla_bridge.backends_are_initialized():
         configure_cpu_devices(count)
+
+
+# XLA:CPU hands convolutions, dots and reductions to YNNPACK by default. Its convolutions run slower
+# than XLA's own (Eigen) for our pixel torsos: on the 2-core CI machine the Nature-CNN policy at 32
+# Atari frames ran 1.8x faster with Eigen's, the IMPALA-ResNet learner ~6% faster, and every weight
+# gradient we timed (3x3 layers of 4-32 channels) was faster (docs/benchmarks.md, session 8). Dots and
+# reductions stay with YNNPACK.
+CPU_COMPILER_OPTIONS = {
+    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE",
+}
+
+
+@functools.cache
+def _cpu_options_supported() -> bool:
+    """Whether this jaxlib knows CPU_COMPILER_OPTIONS (checked once, on a one-element program)."""
+    try:
+        cpu = jax.devices("cpu")[0]
+        jax.jit(lambda x: x + 1, compiler_options=CPU_COMPILER_OPTIONS).lower(
+            jax.ShapeDtypeStruct((1,), np.float32, sharding=jax.sharding.SingleDeviceSharding(cpu))
+        ).compile()
+        return True
+    except Exception as e:  # an unknown option is an INVALID_ARGUMENT at compile time
+        warnings.warn(
+            f"XLA:CPU options {CPU_COMPILER_OPTIONS} not accepted by this jaxlib ({e}); using its defaults",
+            stacklevel=2,
+        )
+        return False
+
+
+def compiler_options(devices: Sequence) -> dict[str, str] | None:
+    """XLA options for a program that runs on `devices`: CPU_COMPILER_OPTIONS when they are all CPU
+    devices (and this jaxlib accepts them), otherwise None (the backend's defaults)."""
+    if devices and all(d.platform == "cpu" for d in devices) and _cpu_options_supported():
+        return dict(CPU_COMPILER_OPTIONS)
+    return None

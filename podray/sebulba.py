@@ -38,7 +38,7 @@ from podray import config as config_lib
 from podray.actors import ActorThread, ParamsStore, Rollout
 from podray.agents import Agent, make_agent
 from podray.envs import host_envs
-from podray.host import HostContext
+from podray.host import HostContext, compiler_options
 from podray.learners import LEARNER_AXIS, Learner, LearnerState
 from podray.program import Summary
 
@@ -72,7 +72,7 @@ class SebulbaProgram:
         self.learner = Learner(
             self.agent, self.mesh, s.learner_batch_size // self.piece, channels_first=self.channels_first
         )
-        self.policy = jax.jit(self._policy)
+        self.policy = jax.jit(self._policy, compiler_options=compiler_options(self.actor_devices))
         self.params = ParamsStore(self.actor_devices)
         self.queue: queue_lib.Queue[Rollout] = queue_lib.Queue(maxsize=s.queue_size)
         self._env_factory = env_factory or self._make_env

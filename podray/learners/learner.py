@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from podray.agents import Agent, TrainState, Trajectory
 from podray.envs.host_envs import to_channels_last
+from podray.host import compiler_options
 
 LEARNER_AXIS = "learner"
 
@@ -64,8 +65,9 @@ class Learner:
             # is averaged over LEARNER_AXIS (as in Anakin).
             check_vma=False,
         )
-        self.step = jax.jit(step, donate_argnums=0)
-        self.init = jax.jit(self._init, out_shardings=self.replicated)
+        options = compiler_options(mesh.devices.flat)
+        self.step = jax.jit(step, donate_argnums=0, compiler_options=options)
+        self.init = jax.jit(self._init, out_shardings=self.replicated, compiler_options=options)
 
     def _init(self, key: chex.PRNGKey) -> LearnerState:
         params_key, key = jax.random.split(key)
