@@ -137,9 +137,9 @@ def test_pixel_torso_in_chunks_matches_the_whole_batch(torso):
 @pytest.mark.parametrize("shape", [(2, 84, 84, 3), (3, 21, 21, 4), (2, 11, 11, 2), (1, 6, 7, 1), (2, 3, 9, 9, 2)])
 @pytest.mark.parametrize("ties", [False, True])
 def test_max_pool_matches_flax_in_value_and_gradient(shape, ties):
-    """The IMPALA-ResNet's pool (its own gradient on CPU, ~10x faster than XLA's select-and-scatter
-    there) gives nn.max_pool's output and gradient, ties included: the first maximum of a window gets
-    its gradient, odd and even sizes, overlapping windows."""
+    """The IMPALA-ResNet's pool (on CPU its own forward pass, which records each window's first
+    maximum, and a gradient routed by it) gives nn.max_pool's output and gradient, ties included: the
+    first maximum of a window gets its gradient, odd and even sizes, overlapping windows."""
     from podray.agents.networks import max_pool
 
     x = jax.random.normal(jax.random.PRNGKey(0), shape)

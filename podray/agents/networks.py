@@ -65,54 +65,63 @@ def _same_padding(size: int, window: int, stride: int) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
-def _reduce_max(x: chex.Array, window: int, stride: int) -> chex.Array:
-    return jax.lax.reduce_window(
-        x,
-        -jnp.inf,
-        jax.lax.max,
-        (1, window, window, 1),
-        (1, stride, stride, 1),
-        ((0, 0), _same_padding(x.shape[1], window, stride), _same_padding(x.shape[2], window, stride), (0, 0)),
-    )
+def _pool_windows(x: chex.Array, window: int, stride: int):
+    """(i, j, x's values at window offset (i, j) of every output position) in row-major offset order:
+    strided slices of x padded with -inf to lax's SAME padding, each the output's size [N, Ho, Wo, C]."""
+    n, h, w, c = x.shape
+    (h_lo, h_hi), (w_lo, w_hi) = _same_padding(h, window, stride), _same_padding(w, window, stride)
+    xp = jnp.pad(x, ((0, 0), (h_lo, h_hi), (w_lo, w_hi), (0, 0)), constant_values=-jnp.inf)
+    ho, wo = -(-h // stride), -(-w // stride)
+    for i in range(window):
+        for j in range(window):
+            limit = (n, i + stride * (ho - 1) + 1, j + stride * (wo - 1) + 1, c)
+            yield i, j, jax.lax.slice(xp, (0, i, j, 0), limit, (1, stride, stride, 1))
+
+
+def _max_and_argmax(x: chex.Array, window: int, stride: int) -> tuple[chex.Array, chex.Array]:
+    """The pool's maximum and, as int8 i * window + j, the offset of its first maximum (row-major, as
+    select-and-scatter picks it): one fused pass over x, where XLA:CPU's reduce_window ran ~3x slower."""
+    best = first = None
+    for i, j, seen in _pool_windows(x, window, stride):
+        if best is None:
+            best, first = seen, jnp.zeros(seen.shape, jnp.int8)
+        else:
+            better = seen > best  # strict: ties keep the earlier offset
+            best, first = jnp.where(better, seen, best), jnp.where(better, jnp.int8(i * window + j), first)
+    return best, first
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _max_pool(x: chex.Array, window: int, stride: int) -> chex.Array:
-    return _reduce_max(x, window, stride)
+    return _max_and_argmax(x, window, stride)[0]
 
 
 def _max_pool_fwd(x, window, stride):
-    y = _reduce_max(x, window, stride)
-    return y, (x, y)
+    y, first = _max_and_argmax(x, window, stride)
+    return y, (first, x.shape)
 
 
 def _max_pool_bwd(window, stride, residuals, g):
     # XLA:CPU differentiates reduce_window's max with select-and-scatter, a scalar loop: at a learner
     # batch of 168 Atari frames the IMPALA-ResNet's three pools took ~1 s of its gradient's ~2.8 s.
-    # Here it is a few fused elementwise passes. Each window offset (i, j) routes g to the input it
-    # picked (the first maximum in the window, as select-and-scatter does); offsets of the same
-    # residue (i % stride, j % stride) land on the same input rows and columns, one output step
-    # apart, so each residue's sum is built at the output's size and the stride x stride residue
-    # planes are interleaved once. Same routing, so the same gradient up to the order of the float
-    # sums where windows overlap.
-    x, y = residuals
-    n, h, w, c = x.shape
+    # Here it is a few fused elementwise passes. Each window offset (i, j) routes g to the input that
+    # the forward pass picked there (`first`, saved as int8 instead of the input itself); offsets of the
+    # same residue (i % stride, j % stride) land on the same input rows and columns, one output step
+    # apart, so each residue's sum is built at the output's size and the stride x stride residue planes
+    # are interleaved once. The barrier keeps XLA from fusing g's producer (the next layer's ReLU
+    # gradient) into every one of the window offsets' reads, which recomputed it nine times.
+    first, (n, h, w, c) = residuals
+    g = jax.lax.optimization_barrier(g)
     (h_lo, h_hi), (w_lo, w_hi) = _same_padding(h, window, stride), _same_padding(w, window, stride)
-    xp = jnp.pad(x, ((0, 0), (h_lo, h_hi), (w_lo, w_hi), (0, 0)), constant_values=-jnp.inf)
-    ho, wo = y.shape[1], y.shape[2]
-    rows, cols = -(-xp.shape[1] // stride), -(-xp.shape[2] // stride)  # residue planes' size
-    taken = jnp.zeros(y.shape, bool)
+    ho, wo = g.shape[1], g.shape[2]
+    rows, cols = -(-(h + h_lo + h_hi) // stride), -(-(w + w_lo + w_hi) // stride)  # residue planes' size
     zero = jnp.zeros((), g.dtype)
     planes: dict[tuple[int, int], chex.Array] = {}
     for i in range(window):
         for j in range(window):
-            seen = jax.lax.slice(
-                xp, (0, i, j, 0), (n, i + stride * (ho - 1) + 1, j + stride * (wo - 1) + 1, c), (1, stride, stride, 1)
-            )
-            picked = (seen == y) & ~taken
-            taken = taken | picked
             di, dj = i // stride, j // stride
-            routed = jnp.pad(jnp.where(picked, g, zero), ((0, 0), (di, rows - ho - di), (dj, cols - wo - dj), (0, 0)))
+            routed = jnp.where(first == i * window + j, g, zero)
+            routed = jnp.pad(routed, ((0, 0), (di, rows - ho - di), (dj, cols - wo - dj), (0, 0)))
             key = (i % stride, j % stride)
             planes[key] = planes[key] + routed if key in planes else routed
     empty = jnp.zeros((n, rows, cols, c), g.dtype)  # residues no offset reaches (window < stride)
@@ -128,7 +137,8 @@ _max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)
 
 def max_pool(x: chex.Array, window: int = 3, stride: int = 2) -> chex.Array:
     """Max pool of [..., H, W, C] images with SAME padding: nn.max_pool's result and gradient. On CPU the
-    gradient is `_max_pool_bwd`'s (about 10x faster than XLA:CPU's own there), elsewhere the backend's."""
+    pool is `_max_and_argmax` and its gradient `_max_pool_bwd` (both faster than XLA:CPU's own there:
+    docs/benchmarks.md), elsewhere the backend's."""
     if jax.default_backend() == "cpu":
         lead = x.shape[:-3]
         y = _max_pool(x.reshape((-1,) + x.shape[-3:]), window, stride)
