@@ -121,6 +121,7 @@ def _cpu_options_supported() -> bool:
 def compiler_options(devices: Sequence) -> dict[str, str] | None:
     """XLA options for a program that runs on `devices`: CPU_COMPILER_OPTIONS when they are all CPU
     devices (and this jaxlib accepts them), otherwise None (the backend's defaults)."""
+    devices = list(devices)
     if devices and all(d.platform == "cpu" for d in devices) and _cpu_options_supported():
         return dict(CPU_COMPILER_OPTIONS)
     return None
