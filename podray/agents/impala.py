@@ -27,8 +27,13 @@ class IMPALA(Agent):
     ) -> tuple[chex.Array, dict[str, chex.Array]]:
         """The V-trace loss of a trajectory [T, B]; `axis_name` names the devices sharing the batch."""
         c = self.config
-        out = self.apply(params, trajectory.obs)  # logits [T+1, B, A], value [T+1, B]
-        logits = out.logits[:-1]
+        out = self.apply(params, trajectory.obs[:-1])  # logits [T, B, A], value [T, B]
+        # The last observation only bootstraps V-trace's targets, which carry no gradient (rlax stops
+        # it): a forward pass alone, without the backward pass through the torso that 1/T of the batch
+        # would otherwise cost.
+        bootstrap = self.apply(jax.lax.stop_gradient(params), trajectory.obs[-1]).value  # [B]
+        values = jnp.concatenate([out.value, bootstrap[None]])  # [T+1, B]
+        logits = out.logits
         target_log_prob = log_prob(logits, trajectory.action)
         behaviour_log_prob = log_prob(trajectory.actor_out.logits, trajectory.action)
         rho = jnp.exp(target_log_prob - behaviour_log_prob)
@@ -38,12 +43,12 @@ class IMPALA(Agent):
             ),
             in_axes=1,
             out_axes=1,
-        )(out.value[:-1], out.value[1:], trajectory.reward, c.discount * trajectory.discount, rho)
+        )(out.value, values[1:], trajectory.reward, c.discount * trajectory.discount, rho)
         ones = jnp.ones_like(trajectory.reward)
         clipped = c.surrogate_clip > 0
         # With the trust region (APPO) the advantage goes without V-trace's importance weight: the
         # surrogate's ratio rho = pi / mu takes its place.
-        advantage = jax.lax.stop_gradient(vtrace.q_estimate - out.value[:-1]) if clipped else vtrace.pg_advantage
+        advantage = jax.lax.stop_gradient(vtrace.q_estimate - out.value) if clipped else vtrace.pg_advantage
         if c.normalize_advantages:
             advantage = normalize(advantage, axis_name)
         if clipped:
