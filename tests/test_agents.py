@@ -154,6 +154,32 @@ def test_max_pool_matches_flax_in_value_and_gradient(shape, ties):
     assert int(jnp.sum(ours != 0)) > 0
 
 
+@pytest.mark.parametrize("shape", [(3, 84, 84, 4), (2, 10, 6, 1), (2, 8, 7, 3)])
+def test_paired_column_convolution_matches_the_plain_one(shape):
+    """The IMPALA-ResNet's first convolution (on CPU computed on column pairs, with a kernel that
+    spans them) gives the plain 3x3 SAME convolution's output and gradients, for images with at most
+    4 channels and an even width (an odd width, or more channels, stays with lax)."""
+    from podray.agents import networks
+
+    x = jax.random.normal(jax.random.PRNGKey(0), shape)
+    kernel = jax.random.normal(jax.random.PRNGKey(1), (3, 3, shape[-1], 16))
+    dn = jax.lax.conv_dimension_numbers(x.shape, kernel.shape, ("NHWC", "HWIO", "NHWC"))
+    ours = lambda x, k: networks._conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=dn)  # noqa: E731
+    plain = lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=dn)  # noqa: E731
+    np.testing.assert_allclose(jax.jit(ours)(x, kernel), plain(x, kernel), rtol=1e-5, atol=1e-4)
+    w = jax.random.normal(jax.random.PRNGKey(2), plain(x, kernel).shape)
+    grads = jax.jit(jax.grad(lambda x, k: jnp.sum(ours(x, k) * w), argnums=(0, 1)))(x, kernel)
+    expected = jax.grad(lambda x, k: jnp.sum(plain(x, k) * w), argnums=(0, 1))(x, kernel)
+    for g, e in zip(grads, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-3)
+    paired = shape[-1] <= 4 and shape[2] % 2 == 0
+    jaxpr = str(jax.make_jaxpr(ours)(x, kernel))
+    assert ("custom_vjp_call" in jaxpr) == paired
+    wide = jax.random.normal(jax.random.PRNGKey(3), (2, 8, 8, 16))  # 16 channels: lax's convolution
+    k16 = jax.random.normal(jax.random.PRNGKey(4), (3, 3, 16, 16))
+    assert "custom_vjp_call" not in str(jax.make_jaxpr(ours)(wide, k16))
+
+
 def test_separate_torsos_have_separate_parameters():
     shared = ActorCritic(config=NetworkConfig(shared_torso=True), num_actions=2)
     split = ActorCritic(config=dataclasses.replace(NetworkConfig(), shared_torso=False), num_actions=2)
