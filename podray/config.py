@@ -74,9 +74,10 @@ class NetworkConfig:
     though on Pong the convolutions below then died instead (runs 30-31)."""
     chunk_rows: int = -1
     """Rows of a batch that a pixel torso (nature_cnn, impala_resnet) takes at a time; the result is
-    the same, only the order of the float sums changes. -1 chooses by backend: 32 on CPU, where a
-    conv's activations for a whole learner batch spill out of the caches (Nature-CNN's gradient at
-    672 rows runs about 3x faster in chunks; docs/benchmarks.md), else the whole batch. 0 means the
+    the same, only the order of the float sums changes. -1 chooses by backend: on CPU 32 rows for
+    nature_cnn and 16 for impala_resnet, where a conv's activations for a whole learner batch spill out
+    of the caches (Nature-CNN's gradient at 672 rows runs about 3x faster in chunks;
+    docs/benchmarks.md), else the whole batch. 0 means the
     whole batch."""
 
 
