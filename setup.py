@@ -33,5 +33,5 @@ setup(
         "cuda": ["jax[cuda12]"],
         "test": ["pytest>=7", "ruff"],
     },
-    entry_points={"console_scripts": ["podray=podray.cli:main"]},
+    entry_points={"console_scripts": ["podray=podray.cli:entry"]},
 )

@@ -259,5 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def entry() -> int:
+    """The console script: `main` after re-executing once with malloc on huge pages (podray.hugepages).
+    Only the command does this; `main` called from Python (tests, notebooks) runs as it is."""
+    from podray import hugepages
+
+    hugepages.reexecute()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -72,7 +72,11 @@ def connect(address: str | None = None, dashboard: bool = False, num_cpus: int |
         return RayConnection(False, _dashboard_url(ray))
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
-        ray.init(address=address, logging_level="WARNING")
+        # A cluster's workers do not inherit this process's environment: pass malloc's huge-page
+        # tunable on (podray.hugepages). A local Ray's workers inherit it.
+        tunables = os.environ.get("GLIBC_TUNABLES")
+        job_env = {"runtime_env": {"env_vars": {"GLIBC_TUNABLES": tunables}}} if tunables else {}
+        ray.init(address=address, logging_level="WARNING", **job_env)
         return RayConnection(False, _dashboard_url(ray))
     # Ray starts its processes with fork+exec, which JAX's fork warning (the driver's CPU JAX is up
     # after validation) does not concern.
