@@ -77,8 +77,7 @@ class NetworkConfig:
     the same, only the order of the float sums changes. -1 chooses by backend: on CPU 32 rows for
     nature_cnn and 16 for impala_resnet, where a conv's activations for a whole learner batch spill out
     of the caches (Nature-CNN's gradient at 672 rows runs about 3x faster in chunks;
-    docs/benchmarks.md), else the whole batch. 0 means the
-    whole batch."""
+    docs/benchmarks.md), else the whole batch. 0 means the whole batch."""
 
 
 @dataclass
