@@ -3,6 +3,7 @@
   podray train [PRESET_OR_YAML] [--set section.field=value ...] [--run-dir DIR] [--resume RUN_DIR]
                [--address RAY_ADDRESS] [--dashboard] [--in-process]
   podray bench anakin|sebulba|ray [--out FILE] [--quick]
+  podray bench sebulba [--torso T,..] [--batch B,..] [--threads N,..] [--split S,..] [--repeats R] [--seconds S]
   podray bench probe RUN_DIR [--step UPDATE] [--out FILE]
   podray tune STUDY_YAML [--set section.field=value ...] [--storage DIR] [--name NAME] [--address ADDR]
   podray tune --resume STUDY_DIR
@@ -101,7 +102,22 @@ def _wait_for_interrupt(url: str) -> None:
         pass
 
 
+def _comma_list(flag: str, text: str | None, kind=str) -> list | None:
+    if text is None:
+        return None
+    try:
+        return [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        message = f"bench sebulba: {flag} {text!r} is not a comma-separated list of integers"
+        raise config_lib.ConfigError(message) from None
+
+
 def _bench(args: argparse.Namespace) -> int:
+    sebulba_only = {"--torso": args.torso, "--batch": args.batch, "--threads": args.threads, "--split": args.split}
+    if args.target != "sebulba" and (any(v is not None for v in sebulba_only.values()) or args.repeats != 1):
+        raise config_lib.ConfigError(
+            f"bench {args.target}: --torso/--batch/--threads/--split/--repeats belong to 'podray bench sebulba'"
+        )
     if args.target == "anakin":
         from podray.bench import anakin_bench
 
@@ -114,11 +130,21 @@ def _bench(args: argparse.Namespace) -> int:
         return 0
     if args.target == "sebulba":
         from podray import host
-
-        host.configure_cpu_devices(4)  # on CPU: fake devices for the actor/learner splits
         from podray.bench import sebulba_bench
 
-        sebulba_bench.main(out=args.out, quick=args.quick, min_seconds=args.seconds)
+        if args.repeats < 1:
+            raise config_lib.ConfigError(f"bench sebulba: --repeats {args.repeats} must be >= 1")
+        if args.seconds <= 0:
+            raise config_lib.ConfigError(f"bench sebulba: --seconds {args.seconds} must be > 0")
+        sweep = sebulba_bench.select(
+            sebulba_bench.QUICK_SWEEP if args.quick else sebulba_bench.FULL_SWEEP,
+            torso=_comma_list("--torso", args.torso),
+            actor_batch_size=_comma_list("--batch", args.batch, int),
+            threads_per_actor_device=_comma_list("--threads", args.threads, int),
+            split=_comma_list("--split", args.split),
+        )
+        host.configure_cpu_devices(4)  # on CPU: fake devices for the actor/learner splits
+        sebulba_bench.main(out=args.out, min_seconds=args.seconds, sweep=sweep, repeats=args.repeats)
         return 0
     if args.target == "probe":
         if not args.run_dir:
@@ -217,6 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="write the rows as JSON to this file")
     b.add_argument("--quick", action="store_true", help="a shorter sweep (for smoke tests)")
     b.add_argument("--seconds", type=float, default=20.0, help="sebulba: seconds of steady state per setting")
+    b.add_argument("--torso", default=None, help="sebulba: torsos to sweep, e.g. nature_cnn,impala_resnet")
+    b.add_argument("--batch", default=None, help="sebulba: actor batch sizes to sweep, e.g. 32,64,128")
+    b.add_argument("--threads", default=None, help="sebulba: threads per actor device to sweep, e.g. 1,2,4")
+    b.add_argument("--split", default=None, help="sebulba: actor+learner device splits to sweep: 1+1, 1+2, 2+2")
+    b.add_argument(
+        "--repeats", type=int, default=1, help="sebulba: runs of every setting (interleaved rounds; rows hold medians)"
+    )
     b.set_defaults(func=_bench)
     u = sub.add_parser("tune", help="run a Ray Tune study from tune_configs/ (docs/operations.md, Tuning)")
     u.add_argument("study", nargs="?", default=None, help="study YAML (tune_configs/NAME.yaml or a name there)")

@@ -52,3 +52,58 @@ def test_learning_curve_plot_titles_itself_from_the_run_config(tmp_path, monkeyp
     sebulba_bench.plot_learning_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png")
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert titles == ["Sebulba PPO on Pong-v5"]
+
+
+def _row(batch, frames, threads=1, **rates):
+    from podray.bench import sebulba_bench
+
+    steps = frames / 4
+    values = dict(env_steps_per_s=7000.0, inference_steps_per_s=10000.0, learner_steps_per_s=4000.0)
+    values.update(rates)
+    return sebulba_bench.Row(
+        setting=f"nature_cnn B={batch} L=32 threads={threads} split=1+1", torso="nature_cnn",
+        actor_batch_size=batch, learner_batch_size=32, threads_per_actor_device=threads, split="1+1",
+        ceiling_steps_per_s=0.0, measured_steps_per_s=steps, frames_per_s=frames, ceiling_frames_per_s=0.0,
+        env_frames_per_s=0.0, inference_frames_per_s=0.0, learner_frames_per_s=0.0, efficiency=0.0,
+        policy_lag=1.0, learner_updates=10, measure_s=20.0, load_avg_1m=2.0, **values,
+    )  # fmt: skip
+
+
+def test_repeated_setting_keeps_medians_and_every_run():
+    from podray.bench import sebulba_bench
+
+    runs = [_row(32, 6000.0), _row(32, 9000.0, env_steps_per_s=5000.0), _row(32, 7000.0, learner_steps_per_s=3000.0)]
+    row = sebulba_bench._median_row(runs)
+    assert row.frames_per_s == 7000.0 and row.measured_steps_per_s == 1750.0
+    assert row.frames_per_s_runs == [6000.0, 9000.0, 7000.0] and row.repeats == 3
+    assert (row.env_steps_per_s, row.learner_steps_per_s) == (7000.0, 4000.0)  # medians, each on its own
+    bound = 1 / (1 / 7000 + 1 / 10000 + 1 / 4000)
+    assert abs(row.ceiling_steps_per_s - bound) < 1e-9 and abs(row.ceiling_frames_per_s - 4 * bound) < 1e-9
+    assert abs(row.efficiency - 1750.0 / bound) < 1e-12 and row.learner_updates == 30
+
+
+def test_rise_compares_each_line_at_its_largest_and_smallest_actor_batch():
+    from podray.bench import sebulba_bench
+
+    rows = [_row(128, 7800.0), _row(32, 6000.0), _row(64, 7000.0)]
+    rows += [_row(32, 8000.0, threads=2), _row(128, 8000.0, threads=2)]
+    assert sebulba_bench.rise(rows) == [
+        ("nature_cnn threads=1 split=1+1 B=32->128", 1.3),
+        ("nature_cnn threads=2 split=1+1 B=32->128", 1.0),
+    ]
+
+
+def test_bench_sebulba_flags_are_checked_before_anything_runs(capsys):
+    from podray import cli
+
+    for argv, message in (
+        (["--split", "3+1"], "--split 3+1 is not one of 1+1, 1+2, 2+2"),
+        (["--torso", "mlp"], "--torso mlp is not one of nature_cnn, impala_resnet"),
+        (["--batch", "32,x"], "--batch '32,x' is not a comma-separated list of integers"),
+        (["--threads", "0"], "--threads takes positive integers"),
+        (["--repeats", "0"], "--repeats 0 must be >= 1"),
+    ):
+        assert cli.main(["bench", "sebulba", *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert cli.main(["bench", "anakin", "--repeats", "3"]) == 2
+    assert "belong to 'podray bench sebulba'" in capsys.readouterr().err

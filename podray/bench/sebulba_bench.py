@@ -15,6 +15,10 @@ accelerator it is the slowest of the three. Efficiency = measured / bound. Frame
 The learner batch is fixed (LEARNER_BATCH trajectories; an actor trajectory larger than that is cut
 into pieces) while the actor batch is swept, so that every setting does the same learner work per
 sample; the rollout length is 20 (IMPALA's).
+
+With `repeats` > 1 every setting is measured that many times, in rounds that go over all settings
+(alternate rounds in reverse order, so that a drift in the machine's speed touches every setting
+alike); a row then holds the medians of its runs and each run's frames/s.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import itertools
 import json
 import pathlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 import jax
 import numpy as np
@@ -73,6 +77,8 @@ class Row:
     learner_updates: int
     measure_s: float
     load_avg_1m: float
+    repeats: int = 1
+    frames_per_s_runs: list[float] = field(default_factory=list)
 
 
 def _config(torso: str, batch: int, threads: int, split: str, env: str, rollout_length: int, learner_batch: int):
@@ -263,8 +269,8 @@ def _table(rows: list[Row]) -> str:
 
 
 def plot(rows: list[Row], path: str | pathlib.Path) -> None:
-    """frames/s (solid) and the sequential bound (dashed) against actor batch size: one panel per torso,
-    one line per (threads, split)."""
+    """frames/s (solid; dots: the runs of a repeated setting) and the sequential bound (dashed) against
+    actor batch size: one panel per torso, one line per (threads, split)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -281,6 +287,14 @@ def plot(rows: list[Row], path: str | pathlib.Path) -> None:
             group.sort(key=lambda r: r.actor_batch_size)
             x = [r.actor_batch_size for r in group]
             (line,) = ax.plot(x, [r.frames_per_s for r in group], "o-", label=f"{threads} thr, {split}")
+            for r in group:  # each run of a repeated setting, around its median
+                ax.plot(
+                    [r.actor_batch_size] * len(r.frames_per_s_runs),
+                    r.frames_per_s_runs,
+                    ".",
+                    color=line.get_color(),
+                    alpha=0.4,
+                )
             ax.plot(x, [r.ceiling_frames_per_s for r in group], "--", color=line.get_color(), alpha=0.6)
         ax.set_xscale("log", base=2)
         ax.set_ylim(bottom=0)
@@ -294,18 +308,107 @@ def plot(rows: list[Row], path: str | pathlib.Path) -> None:
     plt.close(fig)
 
 
-def main(
-    out: str | None = None, quick: bool = False, min_seconds: float = 20.0, sweep: dict | None = None
-) -> list[Row]:
-    """Runs the sweep, prints a table, writes JSON rows to `out` and a PNG plot beside it."""
-    sweep = sweep or (QUICK_SWEEP if quick else FULL_SWEEP)
-    rows = []
-    for torso, batch, threads, split in itertools.product(
-        sweep["torso"], sweep["actor_batch_size"], sweep["threads_per_actor_device"], sweep["split"]
+def select(
+    sweep: dict,
+    torso: list[str] | None = None,
+    actor_batch_size: list[int] | None = None,
+    threads_per_actor_device: list[int] | None = None,
+    split: list[str] | None = None,
+) -> dict:
+    """`sweep` with the given axes replaced; checked before anything compiles (ConfigError names the flag)."""
+    from podray import config as config_lib
+
+    chosen = dict(sweep)
+    for name, flag, values, valid in (
+        ("torso", "--torso", torso, ("nature_cnn", "impala_resnet")),
+        ("split", "--split", split, tuple(SPLITS)),
     ):
-        rows.append(measure(torso, batch, threads, split, min_seconds=min_seconds))
-        print(_table(rows[-1:]).splitlines()[-1], flush=True)
-    print(_table(rows))
+        if values is not None:
+            bad = [v for v in values if v not in valid]
+            if bad or not values:
+                raise config_lib.ConfigError(f"bench sebulba: {flag} {','.join(bad)} is not one of {', '.join(valid)}")
+            chosen[name] = list(values)
+    for name, flag, values in (
+        ("actor_batch_size", "--batch", actor_batch_size),
+        ("threads_per_actor_device", "--threads", threads_per_actor_device),
+    ):
+        if values is not None:
+            if not values or any(v < 1 for v in values):
+                raise config_lib.ConfigError(f"bench sebulba: {flag} takes positive integers, e.g. {flag} 32,64,128")
+            chosen[name] = list(values)
+    return chosen
+
+
+def _median_row(runs: list[Row]) -> Row:
+    """One row from repeated runs of a setting: the median of each rate, the bound and efficiency
+    recomputed from the medians."""
+    med = lambda name: float(np.median([getattr(r, name) for r in runs]))  # noqa: E731
+    env, inference, learner, measured = (
+        med(n) for n in ("env_steps_per_s", "inference_steps_per_s", "learner_steps_per_s", "measured_steps_per_s")
+    )
+    bound = 1.0 / (1.0 / env + 1.0 / inference + 1.0 / learner)
+    frames = runs[0].frames_per_s / runs[0].measured_steps_per_s  # frame skip
+    return replace(
+        runs[0],
+        env_steps_per_s=env,
+        inference_steps_per_s=inference,
+        learner_steps_per_s=learner,
+        ceiling_steps_per_s=bound,
+        measured_steps_per_s=measured,
+        frames_per_s=measured * frames,
+        ceiling_frames_per_s=bound * frames,
+        env_frames_per_s=env * frames,
+        inference_frames_per_s=inference * frames,
+        learner_frames_per_s=learner * frames,
+        efficiency=measured / bound,
+        policy_lag=med("policy_lag"),
+        learner_updates=int(sum(r.learner_updates for r in runs)),
+        measure_s=float(sum(r.measure_s for r in runs)),
+        load_avg_1m=max(r.load_avg_1m for r in runs),
+        repeats=len(runs),
+        frames_per_s_runs=[r.frames_per_s for r in runs],
+    )
+
+
+def rise(rows: list[Row]) -> list[tuple[str, float]]:
+    """For each line of the sweep (torso, threads, split): frames/s at its largest actor batch over
+    frames/s at its smallest."""
+    lines: dict[tuple, list[Row]] = {}
+    for r in rows:
+        lines.setdefault((r.torso, r.threads_per_actor_device, r.split), []).append(r)
+    out = []
+    for (torso, threads, split), group in sorted(lines.items()):
+        group.sort(key=lambda r: r.actor_batch_size)
+        if len(group) > 1:
+            batches = f"B={group[0].actor_batch_size}->{group[-1].actor_batch_size}"
+            name = f"{torso} threads={threads} split={split} {batches}"
+            out.append((name, group[-1].frames_per_s / group[0].frames_per_s))
+    return out
+
+
+def main(
+    out: str | None = None,
+    quick: bool = False,
+    min_seconds: float = 20.0,
+    sweep: dict | None = None,
+    repeats: int = 1,
+) -> list[Row]:
+    """Runs the sweep `repeats` times (see the module docstring), prints a table and each line's rise
+    with actor batch, writes JSON rows to `out` and a PNG plot beside it."""
+    sweep = sweep or (QUICK_SWEEP if quick else FULL_SWEEP)
+    settings = list(
+        itertools.product(sweep["torso"], sweep["actor_batch_size"], sweep["threads_per_actor_device"], sweep["split"])
+    )
+    runs: dict[tuple, list[Row]] = {s: [] for s in settings}
+    for round_ in range(repeats):
+        for setting in settings if round_ % 2 == 0 else settings[::-1]:
+            torso, batch, threads, split = setting
+            runs[setting].append(measure(torso, batch, threads, split, min_seconds=min_seconds))
+            print(_table(runs[setting][-1:]).splitlines()[-1], flush=True)
+    rows = [_median_row(runs[s]) for s in settings]
+    print(_table(rows) + (f"\n(medians of {repeats} runs per setting)" if repeats > 1 else ""))
+    for name, ratio in rise(rows):
+        print(f"{name}: frames/s x{ratio:.2f}")
     if out:
         path = pathlib.Path(out)
         path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
