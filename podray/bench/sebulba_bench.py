@@ -225,9 +225,7 @@ def measure(
     env_rate = _env_ceiling(program, batch)
     inference_rate = _inference_ceiling(program, state, batch)
     learner_rate, state = _learner_ceiling(program, state, repeats=3)
-    bound = 1.0 / (1.0 / env_rate + 1.0 / inference_rate + 1.0 / learner_rate)
     measured, lag, updates, elapsed = _pipeline(program, state, 2, 3, min_seconds)
-    frames = program.frame_skip
     return Row(
         setting=f"{torso} B={batch} L={learner_batch} threads={threads} split={split}",
         torso=torso,
@@ -235,21 +233,30 @@ def measure(
         learner_batch_size=learner_batch,
         threads_per_actor_device=threads,
         split=split,
-        env_steps_per_s=env_rate,
-        inference_steps_per_s=inference_rate,
-        learner_steps_per_s=learner_rate,
-        ceiling_steps_per_s=bound,
-        measured_steps_per_s=measured,
-        frames_per_s=measured * frames,
-        ceiling_frames_per_s=bound * frames,
-        env_frames_per_s=env_rate * frames,
-        inference_frames_per_s=inference_rate * frames,
-        learner_frames_per_s=learner_rate * frames,
-        efficiency=measured / bound,
+        **_rates(env_rate, inference_rate, learner_rate, measured, program.frame_skip),
         policy_lag=lag,
         learner_updates=updates,
         measure_s=elapsed,
         load_avg_1m=os.getloadavg()[0],
+    )
+
+
+def _rates(env: float, inference: float, learner: float, measured: float, frame_skip: int) -> dict:
+    """Row's rate fields from the three ceilings and the measured rate (env steps/s): the sequential
+    bound, the efficiency and every rate in frames."""
+    bound = 1.0 / (1.0 / env + 1.0 / inference + 1.0 / learner)
+    return dict(
+        env_steps_per_s=env,
+        inference_steps_per_s=inference,
+        learner_steps_per_s=learner,
+        ceiling_steps_per_s=bound,
+        measured_steps_per_s=measured,
+        frames_per_s=measured * frame_skip,
+        ceiling_frames_per_s=bound * frame_skip,
+        env_frames_per_s=env * frame_skip,
+        inference_frames_per_s=inference * frame_skip,
+        learner_frames_per_s=learner * frame_skip,
+        efficiency=measured / bound,
     )
 
 
@@ -343,24 +350,11 @@ def _median_row(runs: list[Row]) -> Row:
     """One row from repeated runs of a setting: the median of each rate, the bound and efficiency
     recomputed from the medians."""
     med = lambda name: float(np.median([getattr(r, name) for r in runs]))  # noqa: E731
-    env, inference, learner, measured = (
-        med(n) for n in ("env_steps_per_s", "inference_steps_per_s", "learner_steps_per_s", "measured_steps_per_s")
-    )
-    bound = 1.0 / (1.0 / env + 1.0 / inference + 1.0 / learner)
-    frames = runs[0].frames_per_s / runs[0].measured_steps_per_s  # frame skip
+    names = ("env_steps_per_s", "inference_steps_per_s", "learner_steps_per_s", "measured_steps_per_s")
+    frame_skip = round(runs[0].frames_per_s / runs[0].measured_steps_per_s)
     return replace(
         runs[0],
-        env_steps_per_s=env,
-        inference_steps_per_s=inference,
-        learner_steps_per_s=learner,
-        ceiling_steps_per_s=bound,
-        measured_steps_per_s=measured,
-        frames_per_s=measured * frames,
-        ceiling_frames_per_s=bound * frames,
-        env_frames_per_s=env * frames,
-        inference_frames_per_s=inference * frames,
-        learner_frames_per_s=learner * frames,
-        efficiency=measured / bound,
+        **_rates(*(med(n) for n in names), frame_skip),
         policy_lag=med("policy_lag"),
         learner_updates=int(sum(r.learner_updates for r in runs)),
         measure_s=float(sum(r.measure_s for r in runs)),
