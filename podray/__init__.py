@@ -2,13 +2,15 @@
 
 The public surface fits on one screen:
   podray.config           typed configs: load(preset, overrides), Config, ConfigError
+  podray.validate(config) the whole check before compute: fields, environment, device counts
   podray.train(config)    run a config in this process; returns a Summary
   podray.make_agent(...)  the agents (PPO, IMPALA), the same under every architecture
   podray.tuning           Ray Tune studies: load_study(yaml), run_study(spec), resume_study(dir)
 """
 
-from podray import config
+from podray import config, validation
 from podray.config import Config, ConfigError
+from podray.validation import validate
 
 
 def train(config, run_dir=None, resume=False, **kwargs):
@@ -25,4 +27,4 @@ def make_agent(*args, **kwargs):
     return _make_agent(*args, **kwargs)
 
 
-__all__ = ["Config", "ConfigError", "config", "make_agent", "train"]
+__all__ = ["Config", "ConfigError", "config", "make_agent", "train", "validate", "validation"]

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from podray import config as config_lib
 from podray.agents import TrainState, Trajectory, make_agent
 from podray.envs.jax_envs import EnvState, JaxEnv
-from podray.host import DEVICE_AXIS, HostContext, compiler_options
+from podray.host import DEVICE_AXIS, HostContext, check_devices, compiler_options
 from podray.program import Summary
 
 
@@ -76,7 +76,7 @@ class AnakinProgram:
     """
 
     def __init__(self, config: config_lib.Config, mesh: jax.sharding.Mesh, agent=None):
-        config_lib.validate_devices(config, mesh.size)
+        check_devices(config, mesh.size)
         self.config = config
         self.mesh = mesh
         self.env = JaxEnv(config.env.name)

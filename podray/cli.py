@@ -54,7 +54,9 @@ def _train(args: argparse.Namespace) -> int:
         from podray.cluster.driver import pin_driver_jax_to_cpu
 
         pin_driver_jax_to_cpu()
-    config_lib.validate(config)
+    from podray import validation
+
+    validation.validate(config)
     if not use_ray:
         # The same train() a host worker calls, in this process, without the ~7 s of starting and
         # stopping a local Ray (docs/operations.md). JAX starts only now, after the config is checked.

@@ -4,6 +4,11 @@ A `Config` is a tree of dataclasses. Every field has a default and a one-line do
 Presets in `configs/*.yaml` override some fields; `--set section.field=value` overrides more. The
 whole config is validated before anything is compiled, and every error names the field and says what
 would be valid (shared/DESIGN.md, principle 6).
+
+This module is a leaf: it imports nothing from podray, and every other layer imports it. `validate`
+here checks the fields and how they fit together; the checks that need an environment registry or a
+device count live with the code that owns those (podray.envs.check_config, podray.host.check_devices),
+and podray.validation.validate runs all of them.
 """
 
 from __future__ import annotations
@@ -434,7 +439,7 @@ def resume_overrides(config: Config, overrides: typing.Sequence[str]) -> Config:
 
 
 # --------------------------------------------------------------------------------------------------
-# Validation (no JAX compilation; environment lookups are pure Python)
+# Validation of the fields (no JAX, no environment registry; see podray.validation for the whole check)
 
 
 def _positive(path: str, value: int | float) -> None:
@@ -448,7 +453,10 @@ def _choice(path: str, value: str, allowed: typing.Sequence[str]) -> None:
 
 
 def validate(config: Config) -> None:
-    """Checks the config as a whole; raises ConfigError naming the field. Compiles nothing."""
+    """Checks every field and how the fields fit together; raises ConfigError naming the field.
+
+    Imports no environment and starts no JAX: podray.validation.validate adds the environment registry
+    and device-count checks."""
     _choice("architecture", config.architecture, ARCHITECTURES)
     _positive("total_env_steps", config.total_env_steps)
     if config.env.num_envs < 0:
@@ -531,32 +539,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"run.devices: indices must be distinct and >= 0, got {r.devices}")
     if config.architecture == "sebulba":
         _validate_sebulba(config)
-    if config.architecture == "anakin":
-        # gymnax builds arrays when imported, which starts JAX: fake the CPU devices first.
-        from podray.host import configure_cpu_devices_if_not_started
-
-        configure_cpu_devices_if_not_started(r.cpu_devices)
-        from podray.envs import jax_envs
-
-        try:
-            jax_envs.check_name(config.env.name)
-        except ConfigError as e:
-            from podray.envs import host_envs
-
-            if config.env.name in host_envs.registered_tasks():
-                raise ConfigError(f"{e}; '{config.env.name}' is an envpool task: use architecture=sebulba") from None
-            raise
-        if n.torso != "mlp" and len(jax_envs.observation_shape(config.env.name)) != 3:
-            raise ConfigError(
-                f"network.torso: '{n.torso}' needs image observations [H, W, C]; {config.env.name} has "
-                f"shape {jax_envs.observation_shape(config.env.name)}; use network.torso=mlp"
-            )
     if r.devices and r.cpu_devices and max(r.devices) >= r.cpu_devices:
         raise ConfigError(f"run.devices: index {max(r.devices)} is out of range for run.cpu_devices={r.cpu_devices}")
-    if r.devices:
-        validate_devices(config, len(r.devices))
-    elif r.cpu_devices:
-        validate_devices(config, r.cpu_devices * r.hosts)
 
 
 def _check_tpu_slice(topology: str, version: str) -> None:
@@ -577,10 +561,7 @@ def _check_tpu_slice(topology: str, version: str) -> None:
 
 
 def _validate_sebulba(config: Config) -> None:
-    """The Sebulba section and its environment (envpool's registry is read, nothing compiles)."""
-    from podray.envs import host_envs
-
-    host_envs.check_name(config.env.name)  # raises ConfigError, with a hint for gymnax names
+    """The fields of the Sebulba section and of its host environments."""
     s, e, r = config.sebulba, config.env, config.run
     for name in ("actor_devices", "learner_devices"):
         indices = getattr(s, name)
@@ -627,7 +608,7 @@ def _validate_sebulba(config: Config) -> None:
             f"sebulba.{field_}: {piece} does not split over {n_learners} learner devices; "
             f"use a multiple of {n_learners}"
         )
-    _check_minibatches(
+    check_minibatches(
         config.agent,
         s.learner_batch_size // n_learners,
         s.rollout_length,
@@ -649,12 +630,6 @@ def _validate_sebulba(config: Config) -> None:
         )
     if not 0.0 <= e.sticky_actions <= 1.0:
         raise ConfigError(f"env.sticky_actions: must be in [0, 1], got {e.sticky_actions}")
-    shape = host_envs.observation_shape(e.name)
-    if config.network.torso != "mlp" and len(shape) != 3:
-        raise ConfigError(
-            f"network.torso: '{config.network.torso}' needs image observations; {e.name} has shape {shape}; "
-            "use network.torso=mlp"
-        )
 
 
 def num_envs(config: Config, num_devices: int) -> int:
@@ -662,34 +637,7 @@ def num_envs(config: Config, num_devices: int) -> int:
     return config.env.num_envs or config.env.envs_per_device * num_devices
 
 
-def validate_devices(config: Config, num_devices: int) -> None:
-    """The checks that need the device count (still before any compilation)."""
-    if config.architecture == "sebulba":
-        s = config.sebulba
-        for name in ("actor_devices", "learner_devices"):
-            bad = [i for i in getattr(s, name) if i >= num_devices]
-            if bad:
-                raise ConfigError(
-                    f"sebulba.{name}: index {bad[0]} is out of range; this run has {num_devices} devices "
-                    f"(0..{num_devices - 1}); on CPU set run.cpu_devices to fake more"
-                )
-        return
-    total = num_envs(config, num_devices)
-    if total % num_devices:
-        raise ConfigError(
-            f"env.num_envs: {total} environments do not divide over {num_devices} devices; use a "
-            f"multiple of {num_devices}, e.g. {num_devices * max(1, total // num_devices)}"
-        )
-    _check_minibatches(
-        config.agent,
-        total // num_devices,
-        config.anakin.rollout_length,
-        "env.num_envs / devices",
-        "anakin.rollout_length",
-    )
-
-
-def _check_minibatches(agent: AgentConfig, envs: int, rollout_length: int, envs_field: str, t_field: str) -> None:
+def check_minibatches(agent: AgentConfig, envs: int, rollout_length: int, envs_field: str, t_field: str) -> None:
     """PPO's minibatches split the per-device samples, IMPALA's the per-device environments."""
     _, mb = sgd_schedule(agent)
     if agent.name == "impala":

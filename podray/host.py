@@ -15,6 +15,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from podray import config as config_lib
+from podray.config import ConfigError
+
 DEVICE_AXIS = "device"
 
 
@@ -51,8 +54,6 @@ def select_local_devices(indices: Sequence[int] = ()) -> list:
         return list(local)
     bad = [i for i in indices if i >= len(local)]
     if bad:
-        from podray.config import ConfigError
-
         raise ConfigError(
             f"run.devices: index {bad[0]} is out of range; this host has {len(local)} devices "
             f"(0..{len(local) - 1}); on CPU set run.cpu_devices to fake more"
@@ -75,6 +76,34 @@ def local_context(device_indices: Sequence[int] = ()) -> HostContext:
         host_devices = sorted(by_process[p], key=lambda d: d.id)
         devices.extend(host_devices[i] for i in positions)
     return HostContext(jax.process_index(), jax.process_count(), tuple(local), tuple(devices))
+
+
+def check_devices(config: config_lib.Config, num_devices: int) -> None:
+    """The checks of `config` that need the device count of the run (still before any compilation):
+    Sebulba's device split must index existing devices, Anakin's environments must divide over them."""
+    if config.architecture == "sebulba":
+        s = config.sebulba
+        for name in ("actor_devices", "learner_devices"):
+            bad = [i for i in getattr(s, name) if i >= num_devices]
+            if bad:
+                raise ConfigError(
+                    f"sebulba.{name}: index {bad[0]} is out of range; this run has {num_devices} devices "
+                    f"(0..{num_devices - 1}); on CPU set run.cpu_devices to fake more"
+                )
+        return
+    total = config_lib.num_envs(config, num_devices)
+    if total % num_devices:
+        raise ConfigError(
+            f"env.num_envs: {total} environments do not divide over {num_devices} devices; use a "
+            f"multiple of {num_devices}, e.g. {num_devices * max(1, total // num_devices)}"
+        )
+    config_lib.check_minibatches(
+        config.agent,
+        total // num_devices,
+        config.anakin.rollout_length,
+        "env.num_envs / devices",
+        "anakin.rollout_length",
+    )
 
 
 def configure_cpu_devices(count: int) -> None:

@@ -38,7 +38,7 @@ from podray import config as config_lib
 from podray.actors import ActorThread, ParamsStore, Rollout
 from podray.agents import Agent, make_agent
 from podray.envs import host_envs
-from podray.host import HostContext, compiler_options
+from podray.host import HostContext, check_devices, compiler_options
 from podray.learners import LEARNER_AXIS, Learner, LearnerState
 from podray.program import Summary
 
@@ -55,7 +55,7 @@ class SebulbaProgram:
     """
 
     def __init__(self, config: config_lib.Config, host: HostContext, agent: Agent | None = None, env_factory=None):
-        config_lib.validate_devices(config, len(host.local_devices))
+        check_devices(config, len(host.local_devices))
         self.config = config
         s = config.sebulba
         self.actor_devices = [host.local_devices[i] for i in s.actor_devices]

@@ -14,6 +14,7 @@ import pathlib
 from typing import Sequence
 
 from podray import config as config_lib
+from podray import validation
 from podray.metrics import ConsoleProgress, JsonlSink, Sink, Sinks, TensorBoardSink, truncate_jsonl
 
 
@@ -31,7 +32,7 @@ def load_run_config(run_dir: str | pathlib.Path, check: bool = True) -> config_l
         )
     config = config_lib.from_dict(config_lib.load_yaml(str(path)))
     if check:
-        config_lib.validate(config)
+        validation.validate(config)
     return config
 
 
@@ -60,13 +61,13 @@ def train(
       extra_sinks: more metric sinks (Ray Tune), fed on process 0 only.
       host_sinks: sinks fed on every process (each tags its own host: Ray's dashboard metrics).
     """
-    config_lib.validate(config)
+    validation.validate(config)
     from podray import host as host_lib
 
     if host is None:
         host_lib.configure_cpu_devices(config.run.cpu_devices)
         host = host_lib.local_context(config.run.devices)
-    config_lib.validate_devices(config, len(host.devices))
+    host_lib.check_devices(config, len(host.devices))
 
     run_dir = pathlib.Path(run_dir or config.run.run_dir or default_run_dir(config)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,17 +1,21 @@
 """Config: presets, overrides, and every kind of bad input rejected before anything compiles."""
 
+import ast
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
 from podray import config as config_lib
+from podray import validation
 from podray.config import ConfigError
 
 
 def test_presets_load_and_validate():
     for name in config_lib.preset_names():
         config = config_lib.load(name)
+        validation.validate(config)
         assert config.name == name
 
 
@@ -50,8 +54,7 @@ def test_override_types_and_scientific_notation():
 )
 def test_bad_config_names_the_field_without_compiling(overrides, field, compile_counter):
     with pytest.raises(ConfigError) as info:
-        config = config_lib.load(None, overrides)
-        config_lib.validate_devices(config, 4)
+        validation.validate(config_lib.load(None, overrides, check=False), num_devices=4)
     assert str(info.value).startswith(field), info.value
     assert compile_counter == []
 
@@ -65,14 +68,14 @@ def test_impala_minibatches_split_environments_not_samples(compile_counter):
         config_lib.load("sebulba_pong", ["agent.num_minibatches=32"])
     # Anakin: 4 environments per device x 128 steps
     with pytest.raises(ConfigError, match="^agent.num_minibatches: 8 does not divide the per-device environments"):
-        config_lib.validate_devices(config_lib.load(None, ["agent.name=impala", "agent.num_minibatches=8"]), 4)
+        validation.validate(config_lib.load(None, ["agent.name=impala", "agent.num_minibatches=8"]), num_devices=4)
     assert compile_counter == []
 
 
 def test_batch_not_divisible_over_devices_is_rejected():
     config = config_lib.load(None, ["env.num_envs=6"])
     with pytest.raises(ConfigError, match="env.num_envs: 6 environments do not divide over 4 devices"):
-        config_lib.validate_devices(config, 4)
+        validation.validate(config, num_devices=4)
 
 
 def test_bad_override_syntax():
@@ -105,3 +108,20 @@ def test_cli_set_takes_several_overrides_after_one_flag():
     )
     assert args.preset == "sebulba_pong"
     assert args.set == ["agent.epochs=2", "agent.num_minibatches=4", "run.seed=3"]
+
+
+def test_config_is_a_leaf_module():
+    """podray.config imports nothing else of podray (at module level or inside a function): every layer
+    imports it, it imports none of them."""
+    tree = ast.parse(pathlib.Path(config_lib.__file__).read_text())
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert [m for m in imported if m and m.split(".")[0] == "podray"] == []
+
+
+def test_field_checks_need_no_environment_registry(compile_counter):
+    """config.validate checks fields alone; the registry check is podray.envs' (run by validation)."""
+    config = config_lib.load(None, ["env.name=NotAnEnv-v0"])  # the fields are fine
+    with pytest.raises(ConfigError, match="^env.name: 'NotAnEnv-v0' is not a JAX"):
+        validation.validate(config)
+    assert compile_counter == []

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from podray import config as config_lib
+from podray import validation
 from podray.cluster import tpu
 
 
@@ -406,7 +407,7 @@ def train_on_ray(
     from podray.training import default_run_dir
 
     pin_driver_jax_to_cpu()
-    config_lib.validate(config)
+    validation.validate(config)
     base = pathlib.Path(run_dir or config.run.run_dir or default_run_dir(config)).resolve()
     seeds = config.run.seeds
     replicas = []

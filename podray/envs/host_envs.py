@@ -144,6 +144,19 @@ def check_name(name: str) -> None:
     )
 
 
+def check_config(name: str, torso: str) -> None:
+    """Raises ConfigError unless `name` is a discrete-action envpool task whose observations suit the
+    network torso (pixel torsos need image observations); reads envpool's registry, compiles nothing."""
+    from podray.config import ConfigError
+
+    check_name(name)  # with a hint for gymnax names
+    shape = observation_shape(name)
+    if torso != "mlp" and len(shape) != 3:
+        raise ConfigError(
+            f"network.torso: '{torso}' needs image observations; {name} has shape {shape}; use network.torso=mlp"
+        )
+
+
 @functools.lru_cache(maxsize=None)
 def observation_shape(name: str) -> tuple[int, ...]:
     """The observation shape the agent sees (channels last for Atari), from envpool's spec alone."""

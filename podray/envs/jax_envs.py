@@ -77,6 +77,26 @@ def check_name(name: str) -> None:
         raise ConfigError(f"env.name: '{name}' has continuous actions; podray's agents need a discrete action space")
 
 
+def check_config(name: str, torso: str) -> None:
+    """Raises ConfigError unless `name` is a discrete-action gymnax environment whose observations
+    suit the network torso (pixel torsos need [H, W, C]); envpool names get a hint to use Sebulba."""
+    from podray.config import ConfigError
+
+    try:
+        check_name(name)
+    except ConfigError as e:
+        from podray.envs import host_envs
+
+        if name in host_envs.registered_tasks():
+            raise ConfigError(f"{e}; '{name}' is an envpool task: use architecture=sebulba") from None
+        raise
+    if torso != "mlp" and len(observation_shape(name)) != 3:
+        raise ConfigError(
+            f"network.torso: '{torso}' needs image observations [H, W, C]; {name} has "
+            f"shape {observation_shape(name)}; use network.torso=mlp"
+        )
+
+
 @functools.lru_cache(maxsize=None)
 def observation_shape(name: str) -> tuple[int, ...]:
     gymnax = _gymnax()

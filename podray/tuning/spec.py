@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from podray import config as config_lib
+from podray import validation
 from podray.config import ConfigError
 
 DISTRIBUTIONS = ("grid", "choice", "uniform", "loguniform", "randint")
@@ -334,8 +335,7 @@ def trial_config(
     else:
         config.run.hosts = resources.hosts
     config.run.checkpoint_every = report_every_updates(config) * checkpoint_every
-    config_lib.validate(config)
-    config_lib.validate_devices(config, resources.devices * resources.hosts)
+    validation.validate(config, num_devices=resources.devices * resources.hosts)
     return config
 
 
