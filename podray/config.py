@@ -74,9 +74,9 @@ class NetworkConfig:
     pushing a shared torso's features to zero."""
     layer_norm: bool = False
     """LayerNorm on the pre-activations of the torso's dense layers. With Pong's nearly constant value
-    targets, a plain torso's dense features died (96% zero in every state after 1,600-3,200 updates of
-    16 gradient steps: docs/benchmarks.md, session 6); normalised, every state keeps about half active,
-    though on Pong the convolutions below then died instead (runs 30-31)."""
+    targets and 16 gradient steps per batch, plain IMPALA's dense features died (96% zero in every state
+    after 1,600-3,200 updates); normalised, every state keeps about half active, though on Pong the
+    convolutions below then died instead."""
     chunk_rows: int = -1
     """Rows of a batch that a pixel torso (nature_cnn, impala_resnet) takes at a time; the result is
     the same, only the order of the float sums changes. -1 chooses by backend: on CPU 32 rows for

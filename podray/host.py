@@ -123,7 +123,7 @@ def configure_cpu_devices_if_not_started(count: int) -> None:
 # XLA:CPU hands convolutions, dots and reductions to YNNPACK by default. Its convolutions run slower
 # than XLA's own (Eigen) for our pixel torsos: on the 2-core CI machine the Nature-CNN policy at 32
 # Atari frames ran 1.8x faster with Eigen's, the IMPALA-ResNet learner ~6% faster, and every weight
-# gradient we timed (3x3 layers of 4-32 channels) was faster (docs/benchmarks.md, session 8). Dots and
+# gradient we timed (3x3 layers of 4-32 channels) was faster (docs/benchmarks.md). Dots and
 # reductions stay with YNNPACK.
 CPU_COMPILER_OPTIONS = {
     "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE",

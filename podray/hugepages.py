@@ -4,8 +4,8 @@ XLA:CPU allocates a program's temporary buffers at every execution and frees the
 IMPALA-ResNet learner step's ~330 MB came back from the kernel as ~82,000 freshly zeroed 4 KiB pages
 each step: ~150 ms of system time in a ~390 ms step on 2 cores. With malloc's large blocks on
 transparent huge pages (the tunable glibc.malloc.hugetlb=1, glibc >= 2.35; the kernel's THP mode
-'madvise' or 'always') the same step takes ~2,000 faults and ~25% less time (docs/benchmarks.md,
-session 9). glibc reads its tunables only when a process starts, so `podray` re-executes itself once
+'madvise' or 'always') the same step takes ~2,000 faults and ~25% less time (docs/benchmarks.md).
+glibc reads its tunables only when a process starts, so `podray` re-executes itself once
 with GLIBC_TUNABLES extended; workers of a local Ray inherit it. A GLIBC_TUNABLES that already sets
 glibc.malloc.hugetlb is left alone (glibc.malloc.hugetlb=0 opts out), and so is any platform without
 glibc.

@@ -338,7 +338,7 @@ def make_torso(config: NetworkConfig, obs_rank: int = 1) -> nn.Module:
 
 # Rows per torso call on CPU, by torso: where a batch's activations stay in the caches. The ResNet's
 # gradient ran ~4% faster in 16-row than in 32-row chunks once its pool stopped recomputing the forward
-# pass (docs/benchmarks.md, session 9).
+# pass (docs/benchmarks.md).
 CPU_CHUNK_ROWS = {"nature_cnn": 32, "impala_resnet": 16}
 
 
