@@ -15,10 +15,12 @@ field and the fix, with exit status 2, before anything compiles.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from podray import config as config_lib
+from podray import run_dirs
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -29,7 +31,7 @@ def _train(args: argparse.Namespace) -> int:
             raise config_lib.ConfigError("--resume continues a run with its own config; drop the preset")
         config = load_run_config(args.resume, check=False)
         config = config_lib.resume_overrides(config, args.set)  # e.g. a larger total_env_steps
-        run_dir = args.resume
+        run_dir = os.path.abspath(args.resume)  # an existing directory: relative to here, not to the runs root
     else:
         config = config_lib.load(args.preset, args.set, check=False)
         run_dir = args.run_dir
@@ -56,7 +58,10 @@ def _train(args: argparse.Namespace) -> int:
         pin_driver_jax_to_cpu()
     from podray import validation
 
+    # Absolute, under the runs root; a directory in Ray's job cache is refused here, before any compile.
+    run_dir = run_dirs.resolve(config, run_dir)
     validation.validate(config)
+    print(f"podray: run dir {run_dir}", flush=True)
     if not use_ray:
         # The same train() a host worker calls, in this process, without the ~7 s of starting and
         # stopping a local Ray (docs/operations.md). JAX starts only now, after the config is checked.
@@ -210,7 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FIELD=VALUE",
         help="override config fields, e.g. --set agent.learning_rate=3e-4 env.num_envs=64 (repeatable)",
     )
-    t.add_argument("--run-dir", default=None, help="run directory (default runs/<name>-<time>)")
+    t.add_argument(
+        "--run-dir",
+        default=None,
+        help="run directory; a relative one goes under run.runs_root / $PODRAY_RUNS_ROOT when set "
+        "(default <runs root>/<name>-<time>, else runs/<name>-<time>)",
+    )
     t.add_argument(
         "--resume",
         default=None,

@@ -178,7 +178,11 @@ class SebulbaConfig:
 @dataclass
 class RunConfig:
     run_dir: str = ""
-    """Run directory; empty means runs/<name>-<timestamp>."""
+    """Run directory; empty means <runs root>/<name>-<timestamp>; a relative one goes under the runs root."""
+    runs_root: str = ""
+    """Directory that holds relative and defaulted run directories; empty takes $PODRAY_RUNS_ROOT, else
+    the working directory (runs/<name>-<timestamp>). Ray jobs need it (or --run-dir) on durable storage:
+    their working directory is Ray's cache, deleted after the job (podray/run_dirs.py)."""
     devices: list[int] = field(default_factory=list)
     """Local device indices to use; empty means all local devices."""
     cpu_devices: int = 0

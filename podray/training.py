@@ -7,20 +7,14 @@ metrics.jsonl, TensorBoard events, checkpoints, summary.json) and runs the archi
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import pathlib
 from typing import Sequence
 
 from podray import config as config_lib
-from podray import validation
+from podray import run_dirs, validation
 from podray.metrics import ConsoleProgress, JsonlSink, Sink, Sinks, TensorBoardSink, truncate_jsonl
-
-
-def default_run_dir(config: config_lib.Config) -> pathlib.Path:
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    return pathlib.Path("runs") / f"{config.name}-{stamp}"
 
 
 def load_run_config(run_dir: str | pathlib.Path, check: bool = True) -> config_lib.Config:
@@ -55,12 +49,14 @@ def train(
 
     Args:
       config: a Config (validated here again, before anything compiles).
-      run_dir: the run directory; None takes config.run.run_dir or runs/<name>-<time>.
+      run_dir: the run directory; None takes config.run.run_dir, else <runs root>/<name>-<time>
+        (podray.run_dirs.resolve, which refuses a directory inside Ray's job cache).
       resume: continue from the latest checkpoint in run_dir.
       host: a podray.host.HostContext; None means this process and config.run.devices.
       extra_sinks: more metric sinks (Ray Tune), fed on process 0 only.
       host_sinks: sinks fed on every process (each tags its own host: Ray's dashboard metrics).
     """
+    run_dir = pathlib.Path(run_dirs.resolve(config, run_dir))
     validation.validate(config)
     from podray import host as host_lib
 
@@ -69,7 +65,6 @@ def train(
         host = host_lib.local_context(config.run.devices)
     host_lib.check_devices(config, len(host.devices))
 
-    run_dir = pathlib.Path(run_dir or config.run.run_dir or default_run_dir(config)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     from podray.checkpoint import Checkpointer
 

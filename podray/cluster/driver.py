@@ -96,6 +96,23 @@ def connect(address: str | None = None, dashboard: bool = False, num_cpus: int |
     return RayConnection(True, f"http://{url}" if url and not url.startswith("http") else url)
 
 
+def _where_line(connection: RayConnection) -> str:
+    """One line saying which Ray this run is on, its dashboard and, in a submitted job, the job's page."""
+    import ray
+
+    from podray import run_dirs
+
+    if connection.started_here:
+        where = "podray: on a local Ray started by this command"
+    else:
+        where = f"podray: on the Ray cluster at {ray.get_runtime_context().gcs_address}"
+    url = connection.dashboard_url
+    if url is None:
+        return where + (" (no dashboard; --dashboard starts one)" if connection.started_here else " (no dashboard)")
+    job = run_dirs.ray_job_id()
+    return where + f" | dashboard {url}" + (f" | job {job}: {url}/#/jobs/{job}" if job else "")
+
+
 def _dashboard_url(ray) -> str | None:
     """The dashboard URL of the cluster we joined (None when it runs none)."""
     try:
@@ -393,7 +410,8 @@ def train_on_ray(
 
     Args:
       config: a validated Config.
-      run_dir: the run directory (replicas get run_dir/seed-N); None takes run.run_dir or a new one.
+      run_dir: the run directory (replicas get run_dir/seed-N); None takes run.run_dir, else a new one
+        under the runs root (podray.run_dirs.resolve).
         On a multi-node cluster it must be storage every host sees (a shared disk or a bucket).
       resume: continue from the latest checkpoint in run_dir.
       address: Ray address, or None for $RAY_ADDRESS, or else an embedded local Ray (stopped at the end).
@@ -404,11 +422,11 @@ def train_on_ray(
     Returns:
       One dict per replica: host 0's summary, plus "hosts" (every host's summary).
     """
-    from podray.training import default_run_dir
+    from podray import run_dirs
 
+    base = pathlib.Path(run_dirs.resolve(config, run_dir))
     pin_driver_jax_to_cpu()
     validation.validate(config)
-    base = pathlib.Path(run_dir or config.run.run_dir or default_run_dir(config)).resolve()
     seeds = config.run.seeds
     replicas = []
     for seed in seeds or [config.seed]:
@@ -421,8 +439,7 @@ def train_on_ray(
     hosts_needed = len(replicas) * (1 if config.run.tpu_topology else config.run.hosts)
     connection = connect(address, dashboard=dashboard, num_cpus=max(os.cpu_count() or 1, hosts_needed))
     try:
-        if dashboard and connection.dashboard_url:
-            say(f"podray: Ray dashboard at {connection.dashboard_url}")
+        say(_where_line(connection))
         results: list[Any] = [None] * len(replicas)
 
         def run_replica(i: int) -> None:
