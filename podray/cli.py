@@ -15,7 +15,6 @@ field and the fix, with exit status 2, before anything compiles.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -29,9 +28,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.preset:
             raise config_lib.ConfigError("--resume continues a run with its own config; drop the preset")
-        config = load_run_config(args.resume, check=False)
+        run_dir = run_dirs.existing(args.resume)  # a relative one: under $PODRAY_RUNS_ROOT when set
+        config = load_run_config(run_dir, check=False)
         config = config_lib.resume_overrides(config, args.set)  # e.g. a larger total_env_steps
-        run_dir = os.path.abspath(args.resume)  # an existing directory: relative to here, not to the runs root
     else:
         config = config_lib.load(args.preset, args.set, check=False)
         run_dir = args.run_dir

@@ -81,6 +81,16 @@ def ray_job_id() -> str | None:
         return None
 
 
+def existing(run_dir: str | os.PathLike) -> str:
+    """The absolute path of an existing run directory named on the command line (`--resume`): a
+    relative one is under $PODRAY_RUNS_ROOT when that is set (where `--run-dir` put it), else here."""
+    path = str(run_dir)
+    root = os.environ.get(RUNS_ROOT_ENV, "")
+    if root and not (is_uri(path) or os.path.isabs(os.path.expanduser(path))):
+        path = join(root, path)
+    return path if is_uri(path) else os.path.abspath(os.path.expanduser(path))
+
+
 def resolve(config: config_lib.Config, run_dir: str | os.PathLike | None = None) -> str:
     """The absolute run directory of a run: `run_dir`, else `run.run_dir`, else the default name, placed
     under the runs root when relative (module docstring). Creates nothing.
@@ -103,14 +113,25 @@ def resolve(config: config_lib.Config, run_dir: str | os.PathLike | None = None)
             "or mounted path (e.g. a bucket mounted with gcsfuse)"
         )
     path = os.path.abspath(os.path.expanduser(path))
-    cache = ray_cache_dir(path)
-    if cache is not None:
-        job = ray_job_id()
-        raise config_lib.ConfigError(
-            f"{field}: the run directory {path} is inside Ray's runtime-resources cache ({cache}), the copy of "
-            f"the working directory Ray gives a job{f' ({job})' if job else ''} and deletes after it, so the "
-            f"run's checkpoints, metrics and summary would be lost; set run.runs_root (--set "
-            f"run.runs_root=/durable/path) or {RUNS_ROOT_ENV} to durable storage, or give --run-dir an "
-            "absolute path outside the cache"
-        )
+    refuse_ray_cache(
+        path,
+        field,
+        "run directory",
+        f"set run.runs_root (--set run.runs_root=/durable/path) or {RUNS_ROOT_ENV} to durable storage, or give "
+        "--run-dir an absolute path outside the cache",
+    )
     return path
+
+
+def refuse_ray_cache(path: str | os.PathLike, field: str, what: str, fix: str) -> None:
+    """Raises ConfigError naming `field` (and ending with `fix`) when `path` is inside Ray's
+    runtime-resources cache."""
+    cache = ray_cache_dir(path)
+    if cache is None:
+        return
+    job = ray_job_id()
+    raise config_lib.ConfigError(
+        f"{field}: the {what} {path} is inside Ray's runtime-resources cache ({cache}), the copy of the "
+        f"working directory Ray gives a job{f' ({job})' if job else ''} and deletes after it, so the run's "
+        f"checkpoints, metrics and summary would be lost; {fix}"
+    )

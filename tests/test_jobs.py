@@ -55,6 +55,9 @@ def test_run_dir_goes_under_the_runs_root(tmp_path, monkeypatch):
     assert run_dirs.resolve(config) == str(tmp_path / "field_root" / "a" / "b")
     # An absolute run directory is used as it is.
     assert run_dirs.resolve(config, tmp_path / "abs") == str(tmp_path / "abs")
+    # A run named for --resume is looked for where --run-dir put it.
+    assert run_dirs.existing("mine") == str(tmp_path / "env_root" / "mine")
+    assert run_dirs.existing(tmp_path / "abs") == str(tmp_path / "abs")
     # Object-store roots join by '/', and are refused until run directories support them.
     assert run_dirs.join("gs://bucket/runs/", "x") == "gs://bucket/runs/x"
     config.run.runs_root = "gs://bucket/runs"
@@ -88,6 +91,18 @@ def test_a_run_dir_in_rays_job_cache_is_refused_before_compiling(tmp_path, monke
     # With a root outside the cache, the same job's run goes there.
     monkeypatch.setenv(run_dirs.RUNS_ROOT_ENV, str(tmp_path / "durable"))
     assert run_dirs.resolve(_config()).startswith(str(tmp_path / "durable") + os.sep)
+
+
+def test_a_study_dir_in_rays_job_cache_is_refused_before_ray_starts(tmp_path, monkeypatch):
+    import ray
+
+    from podray import tuning
+
+    spec = tuning.load_study(str(REPO / "tune_configs" / "anakin_cartpole_batch_depth.yaml"))
+    monkeypatch.chdir(_fake_job_cache(tmp_path))
+    monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("Ray was started"))
+    with pytest.raises(config_lib.ConfigError, match=r"^--storage: the study directory .* give --storage an"):
+        tuning.run_study(spec)  # the default storage, tune_runs, is relative
 
 
 def test_connect_without_an_address_never_joins_another_ray(monkeypatch, tmp_path):

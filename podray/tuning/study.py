@@ -178,11 +178,16 @@ def run_study(
     """
     from ray import tune
 
+    from podray import run_dirs
+
     storage = pathlib.Path(storage).resolve()
     name = name or f"{spec.name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     study_dir = storage / name
     if study_dir.exists():
         raise ConfigError(f"--name: study directory {study_dir} exists; choose another name or --resume it")
+    fix = "give --storage an absolute path on durable storage"
+    run_dirs.refuse_ray_cache(study_dir, "--storage", "study directory", fix)  # a Ray job's working directory
+    print(f"podray: study dir {study_dir}", flush=True)
     started = connect(address)
     try:
         check_cluster(spec)  # raises before the study directory or any trial exists
