@@ -96,7 +96,7 @@ def connect(address: str | None = None, dashboard: bool = False, num_cpus: int |
     return RayConnection(True, f"http://{url}" if url and not url.startswith("http") else url)
 
 
-def _where_line(connection: RayConnection) -> str:
+def where_line(connection: RayConnection) -> str:
     """One line saying which Ray this run is on, its dashboard and, in a submitted job, the job's page."""
     import ray
 
@@ -105,10 +105,14 @@ def _where_line(connection: RayConnection) -> str:
     if connection.started_here:
         where = "podray: on a local Ray started by this command"
     else:
-        where = f"podray: on the Ray cluster at {ray.get_runtime_context().gcs_address}"
+        try:
+            address = ray.get_runtime_context().gcs_address
+        except Exception:  # a Ray Client connection (ray://) has no GCS address of its own
+            address = os.environ.get("RAY_ADDRESS") or "(Ray Client)"
+        where = f"podray: on the Ray cluster at {address}"
     url = connection.dashboard_url
     if url is None:
-        return where + (" (no dashboard; --dashboard starts one)" if connection.started_here else " (no dashboard)")
+        return where + " (no dashboard)"
     job = run_dirs.ray_job_id()
     return where + f" | dashboard {url}" + (f" | job {job}: {url}/#/jobs/{job}" if job else "")
 
@@ -439,7 +443,7 @@ def train_on_ray(
     hosts_needed = len(replicas) * (1 if config.run.tpu_topology else config.run.hosts)
     connection = connect(address, dashboard=dashboard, num_cpus=max(os.cpu_count() or 1, hosts_needed))
     try:
-        say(_where_line(connection))
+        say(where_line(connection))
         results: list[Any] = [None] * len(replicas)
 
         def run_replica(i: int) -> None:

@@ -113,12 +113,16 @@ def make_scheduler(spec: spec_lib.StudySpec):
 
 def connect(address: str | None = None) -> bool:
     """Connects to Ray at `address` (or $RAY_ADDRESS); else starts a local Ray. Returns whether this
-    call started it (then the caller shuts it down)."""
+    call started it (then the caller shuts it down). Prints which Ray it is, with its dashboard."""
     import ray
+
+    from podray.cluster import driver
 
     if ray.is_initialized():
         return False
     ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False)
+    started = not (address or os.environ.get("RAY_ADDRESS"))
+    print(driver.where_line(driver.RayConnection(started, driver._dashboard_url(ray))), flush=True)
     return True
 
 
