@@ -7,10 +7,11 @@ It is `podray train ARGS` connected to the cluster this script runs in: the addr
 submission sets ($RAY_ADDRESS), else the cluster of the node `ray submit` runs it on ("auto").
 
 Outputs: a relative or default run directory goes under `run.runs_root` (else $PODRAY_RUNS_ROOT in the
-job's environment, e.g. through `--runtime-env-json '{"env_vars": {"PODRAY_RUNS_ROOT": ...}}'`). A job's
-working directory is Ray's copy of `--working-dir`, which Ray deletes after the job, so a run directory
-that would land there is refused before anything starts, naming run.runs_root. The run directory and
-the dashboard's page of the job are printed first, and the run directory again in the summary line.
+job's environment, e.g. through `--runtime-env-json '{"env_vars": {"PODRAY_RUNS_ROOT": ...}}'`). A
+job's working directory is Ray's copy of `--working-dir`, which Ray may delete once no job uses it, so
+a run directory that would land there is refused before anything starts, naming run.runs_root. The
+run directory and the dashboard's page of the job are printed first, and the run directory again in
+the summary line.
 """
 
 import os

@@ -182,7 +182,7 @@ class RunConfig:
     runs_root: str = ""
     """Directory that holds relative and defaulted run directories; empty takes $PODRAY_RUNS_ROOT, else
     the working directory (runs/<name>-<timestamp>). Ray jobs need it (or --run-dir) on durable storage:
-    their working directory is Ray's cache, deleted after the job (podray/run_dirs.py)."""
+    their working directory is a copy in Ray's cache, which Ray may delete (podray/run_dirs.py)."""
     devices: list[int] = field(default_factory=list)
     """Local device indices to use; empty means all local devices."""
     cpu_devices: int = 0

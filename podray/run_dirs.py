@@ -7,8 +7,9 @@ A run directory given as an absolute path is used as it is. A relative one, and 
 directory (where the default is `runs/<name>-<time>`). The root exists for Ray jobs: `ray job submit
 --working-dir .` runs the entry script in a copy of the working directory inside Ray's
 runtime-resources cache (`<ray temp>/session_*/runtime_resources/working_dir_files/...`), which Ray
-deletes once the job is gone, so a run directory there would lose the run's checkpoints, metrics and
-summary. `resolve` refuses such a directory, naming the field to set, before anything compiles.
+deletes when the cache grows past its size limit and no job uses the copy, and which belongs to one
+Ray session, so a run directory there would lose the run's checkpoints, metrics and summary.
+`resolve` refuses such a directory, naming the field to set, before anything compiles.
 
 The runs root is joined to a run's name in one place (`join`), so that an object-store root (gs://,
 s3://) needs only that function and the path API behind it; only local (or mounted) paths are
@@ -132,6 +133,6 @@ def refuse_ray_cache(path: str | os.PathLike, field: str, what: str, fix: str) -
     job = ray_job_id()
     raise config_lib.ConfigError(
         f"{field}: the {what} {path} is inside Ray's runtime-resources cache ({cache}), the copy of the "
-        f"working directory Ray gives a job{f' ({job})' if job else ''} and deletes after it, so the run's "
-        f"checkpoints, metrics and summary would be lost; {fix}"
+        f"working directory Ray gives a job{f' ({job})' if job else ''}, which Ray may delete once no job uses "
+        f"it, so the run's checkpoints, metrics and summary would be lost; {fix}"
     )
