@@ -232,11 +232,11 @@ def test_ray_job_submit_with_token_auth_keeps_its_outputs(tmp_path):
             "RAY_AUTH_TOKEN": token,
         }
         url = f"http://127.0.0.1:{dash}/api/jobs/"
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 120
         current = temp_dir / "ray_current_cluster"  # written last by `ray start`
         while not current.exists() or _http_status(url, token) != 200:
             assert head.poll() is None, (base / "head.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the head's job API did not come up in 90 s"
+            assert time.monotonic() < deadline, "the head's job API did not come up in 120 s"
             time.sleep(1.0)
         assert _http_status(url, None) == 401  # token authentication is on
         # `ray start` names its cluster in its own temp dir; the machine's default file, which a
