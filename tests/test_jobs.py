@@ -123,6 +123,19 @@ def test_connect_without_an_address_never_joins_another_ray(monkeypatch, tmp_pat
     assert calls[-1]["address"] == "10.0.0.9:6379"
 
 
+def test_the_ray_line_names_the_dashboard_and_the_jobs_page(monkeypatch):
+    from podray.cluster.driver import RayConnection, where_line
+
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    assert where_line(RayConnection(True, None)) == "podray: on a local Ray started by this command (no dashboard)"
+    url = "http://127.0.0.1:8265"
+    assert where_line(RayConnection(True, url)).endswith(f"| dashboard {url}")
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"metadata": {"job_submission_id": "raysubmit_x"}}))
+    assert where_line(RayConnection(True, url)).endswith(
+        f"| dashboard {url} | job raysubmit_x: {url}/#/jobs/raysubmit_x"
+    )
+
+
 class _Context:
     dashboard_url = None
 
