@@ -161,7 +161,9 @@ class SebulbaConfig:
     """envpool environments per actor thread; 0 means actor_batch_size (sync); a multiple k >= 2 of
     actor_batch_size is envpool's async mode (each step returns the first actor_batch_size ready)."""
     learner_batch_size: int = 32
-    """Trajectories per learner step, summed over learner devices; a multiple of actor_batch_size."""
+    """Trajectories per learner step, summed over every learner device of every host (each of
+    run.hosts hosts contributes learner_batch_size / hosts); that share is a multiple or a divisor of
+    actor_batch_size."""
     rollout_length: int = 32
     """Environment steps per trajectory (T of the time-major trajectory)."""
     queue_size: int = 4
@@ -520,12 +522,6 @@ def validate(config: Config) -> None:
     if r.cpu_devices < 0:
         raise ConfigError(f"run.cpu_devices: must be >= 0, got {r.cpu_devices}")
     _positive("run.hosts", r.hosts)
-    if config.architecture == "sebulba" and (r.hosts > 1 or r.tpu_topology):
-        raise ConfigError(
-            "run.hosts: Sebulba runs on one host for now (its learner mesh spans this host's learner "
-            "devices only); use run.hosts=1 without run.tpu_topology, or architecture=anakin, or run.seeds "
-            "for replicas"
-        )
     if r.max_restarts < 0:
         raise ConfigError(f"run.max_restarts: must be >= 0 (0 means fail on the first lost host), got {r.max_restarts}")
     if len(set(r.seeds)) != len(r.seeds):
@@ -599,13 +595,22 @@ def _validate_sebulba(config: Config) -> None:
             f"sebulba.actor_batch_size ({s.actor_batch_size}) for envpool's async mode"
         )
     n_learners = len(s.learner_devices)
-    if s.learner_batch_size % s.actor_batch_size and s.actor_batch_size % s.learner_batch_size:
+    hosts = _sebulba_hosts(config)
+    if hosts > 1 and s.learner_batch_size % (hosts * n_learners):
         raise ConfigError(
-            f"sebulba.learner_batch_size: {s.learner_batch_size} must be a multiple or a divisor of "
+            f"sebulba.learner_batch_size: {s.learner_batch_size} is the global learner batch and must divide "
+            f"over {hosts} host(s) x {n_learners} learner device(s) per host; use a multiple of "
+            f"{hosts * n_learners}, e.g. {hosts * n_learners * max(1, s.learner_batch_size // (hosts * n_learners))}"
+        )
+    host_batch = s.learner_batch_size // hosts  # what each host's actors contribute to a learner step
+    share = f" / {hosts} hosts = {host_batch}" if hosts > 1 else ""
+    if host_batch % s.actor_batch_size and s.actor_batch_size % host_batch:
+        raise ConfigError(
+            f"sebulba.learner_batch_size: {s.learner_batch_size}{share} must be a multiple or a divisor of "
             f"sebulba.actor_batch_size ({s.actor_batch_size}): a learner step gathers whole actor trajectories, "
             f"or an actor trajectory is cut into learner batches"
         )
-    piece = min(s.actor_batch_size, s.learner_batch_size)
+    piece = min(s.actor_batch_size, host_batch)
     if piece % n_learners:
         field_ = "actor_batch_size" if piece == s.actor_batch_size else "learner_batch_size"
         raise ConfigError(
@@ -614,7 +619,7 @@ def _validate_sebulba(config: Config) -> None:
         )
     check_minibatches(
         config.agent,
-        s.learner_batch_size // n_learners,
+        host_batch // n_learners,
         s.rollout_length,
         "sebulba.learner_batch_size / learner devices",
         "sebulba.rollout_length",
@@ -634,6 +639,16 @@ def _validate_sebulba(config: Config) -> None:
         )
     if not 0.0 <= e.sticky_actions <= 1.0:
         raise ConfigError(f"env.sticky_actions: must be in [0, 1], got {e.sticky_actions}")
+
+
+def _sebulba_hosts(config: Config) -> int:
+    """Hosts of a Sebulba run: run.hosts, or the TPU hosts of run.tpu_topology's slice."""
+    r = config.run
+    if not r.tpu_topology:
+        return r.hosts
+    from podray.cluster import tpu
+
+    return tpu.slice_shape(r.tpu_topology, r.tpu_version).hosts
 
 
 def num_envs(config: Config, num_devices: int) -> int:

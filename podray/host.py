@@ -42,6 +42,14 @@ class HostContext:
         """Process 0 writes logs, summaries and checkpoint metadata."""
         return self.process_index == 0
 
+    def devices_by_host(self) -> list[tuple]:
+        """`devices` split by process, host by host: entry p holds host p's devices in its local order
+        (the same positions as `local_devices` on that host)."""
+        hosts: dict[int, list] = {}
+        for d in self.devices:
+            hosts.setdefault(d.process_index, []).append(d)
+        return [tuple(hosts[p]) for p in sorted(hosts)]
+
     def mesh(self, axis_name: str = DEVICE_AXIS) -> Mesh:
         """A 1-D mesh over all devices of all hosts, named `axis_name`."""
         return Mesh(np.asarray(self.devices, dtype=object), (axis_name,))

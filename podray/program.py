@@ -38,6 +38,9 @@ class Summary:
     steady_steps_per_s: float = 0.0
     final_state: Any = field(default=None, repr=False)
     """The program state at the end (device arrays); not part of summary.json."""
+    actor_params: list[Any] | None = field(default=None, repr=False)
+    """Sebulba: the parameters each actor device of this host holds at the end, one tree per actor
+    device (device arrays); not part of summary.json."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "final_state"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("final_state", "actor_params")}

@@ -13,6 +13,16 @@ The story of a run:
      devices with gradients averaged across them, and publishes the new parameters, with their version,
      to every actor device.
   5. Every `log_every` updates the metrics go to the sinks; checkpoints hold the learner state.
+
+Across hosts (run.hosts > 1, one process per host) every host runs all of the above on its own devices:
+its actor threads step its own environments (seeded apart from every other host's) on its actor
+devices and put their trajectories on its own learner devices. The learner mesh spans the learner
+devices of every host; in each step every host contributes its k local trajectories as its shards of
+the global learner batch (sebulba.learner_batch_size is global: each host gathers 1/hosts of it), the
+gradients are averaged over every learner device of every host, and every host publishes the new
+parameters from its own replica to its own actor devices. The hosts move in lockstep, one learner step
+at a time; a host whose actors stall fails its gather after sebulba.timeout_s, and the Ray driver then
+stops the group (the other hosts wait in a collective) and restarts it from the latest checkpoint.
 Errors: any exception in an actor thread stops the run and is re-raised by the learner with its
 traceback; every wait has a timeout; `stop()` joins every thread and closes every environment.
 
@@ -36,6 +46,7 @@ from jax.sharding import Mesh
 
 from podray import config as config_lib
 from podray.actors import ActorThread, ParamsStore, Rollout
+from podray.actors.params import local_copy
 from podray.agents import Agent, make_agent
 from podray.envs import host_envs
 from podray.host import HostContext, check_devices, compiler_options
@@ -57,20 +68,29 @@ class SebulbaProgram:
     def __init__(self, config: config_lib.Config, host: HostContext, agent: Agent | None = None, env_factory=None):
         check_devices(config, len(host.local_devices))
         self.config = config
+        self.host = host
         s = config.sebulba
         self.actor_devices = [host.local_devices[i] for i in s.actor_devices]
-        self.learner_devices = [host.local_devices[i] for i in s.learner_devices]
+        self.local_learner_devices = [host.local_devices[i] for i in s.learner_devices]
+        # The learner mesh: the learner devices of every host, host by host.
+        self.learner_devices = [devices[i] for devices in host.devices_by_host() for i in s.learner_devices]
         self.spec, self.channels_first = host_envs.env_spec(config.env.name)
         self.frame_skip = 4 if self.channels_first else 1  # Atari: 4 frames per agent step
-        self.steps_per_update = s.learner_batch_size * s.rollout_length
+        self.steps_per_update = s.learner_batch_size * s.rollout_length  # over every host
         self.num_updates = math.ceil(config.total_env_steps / self.steps_per_update)
         self.agent = agent or make_agent(config.agent, config.network, self.spec, self.num_updates)
         self.mesh = Mesh(np.asarray(self.learner_devices, dtype=object), (LEARNER_AXIS,))
-        # Batch sizes are decoupled: a learner step takes k pieces of `piece` environments each; an actor
-        # trajectory is one piece, or is cut into several when the learner batch is the smaller one.
-        self.piece = min(s.actor_batch_size, s.learner_batch_size)
+        # Batch sizes are decoupled: a learner step takes k pieces of `piece` environments each from every
+        # host; an actor trajectory is one piece, or is cut into several when this host's share of the
+        # learner batch is smaller than an actor batch.
+        self.host_batch = s.learner_batch_size // host.process_count
+        self.piece = min(s.actor_batch_size, self.host_batch)
         self.learner = Learner(
-            self.agent, self.mesh, s.learner_batch_size // self.piece, channels_first=self.channels_first
+            self.agent,
+            self.mesh,
+            self.host_batch // self.piece,
+            channels_first=self.channels_first,
+            local_devices=self.local_learner_devices,
         )
         self.policy = jax.jit(self._policy, compiler_options=compiler_options(self.actor_devices))
         self.params = ParamsStore(self.actor_devices)
@@ -104,12 +124,12 @@ class SebulbaProgram:
         start = time.perf_counter()
         s = self.config.sebulba
         trajectory = self.learner.abstract_trajectory(
-            s.rollout_length, self.piece, self._raw_obs_shape(), self.spec.obs_dtype
+            s.rollout_length, self.piece * self.host.process_count, self._raw_obs_shape(), self.spec.obs_dtype
         )
         self._compiled_step = self.learner.step.lower(state, (trajectory,) * self.learner.k).compile()
         obs = np.zeros((s.actor_batch_size, *self._raw_obs_shape()), self.spec.obs_dtype)
         for device in self.actor_devices:
-            params = jax.device_put(state.train.params, device)
+            params = jax.device_put(local_copy(state.train.params), device)
             key = jax.device_put(jax.random.PRNGKey(0), device)
             jax.block_until_ready(self.policy(params, jax.device_put(obs, device), key))
         return time.perf_counter() - start
@@ -122,7 +142,7 @@ class SebulbaProgram:
         hold) without limit, and its version would run ahead of the parameters actors can use.
         """
         step = self._compiled_step or self.learner.step
-        state, metrics = step(state, tuple(r.trajectory for r in rollouts))
+        state, metrics = step(state, tuple(self.learner.from_hosts(r.trajectory) for r in rollouts))
         if self._in_flight is not None:
             jax.block_until_ready(self._in_flight)
         self._in_flight = metrics
@@ -134,7 +154,7 @@ class SebulbaProgram:
         s, e = self.config.sebulba, self.config.env
         num_envs = s.envs_per_actor_thread or s.actor_batch_size
         options = host_envs.HostEnvOptions.from_config(e)
-        seed = self.config.seed * 1_000_003 + index * num_envs
+        seed = self.config.seed * 1_000_003 + index * num_envs  # index counts threads over every host
         return host_envs.HostEnv(e.name, num_envs, s.actor_batch_size, seed=seed, options=options)
 
     def _fail(self, error: BaseException) -> None:
@@ -153,16 +173,18 @@ class SebulbaProgram:
         s = self.config.sebulba
         self.params.publish(params, version, wait=True)
         self._stop.clear()
+        # Thread indices count over every host, so that no two hosts seed the same environments or keys.
+        first = self.host.process_index * len(self.actor_devices) * s.threads_per_actor_device
         for d, device in enumerate(self.actor_devices):
             for j in range(s.threads_per_actor_device):
                 thread = ActorThread(
-                    index=d * s.threads_per_actor_device + j,
+                    index=first + d * s.threads_per_actor_device + j,
                     make_env=self._env_factory,
                     policy=self.policy,
                     device=device,
                     params=self.params,
                     queue=self.queue,
-                    learner_sharding=self.learner.batch_sharding,
+                    learner_sharding=self.learner.local_batch_sharding,
                     rollout_length=s.rollout_length,
                     batch_size=s.actor_batch_size,
                     piece_size=self.piece,
@@ -222,8 +244,20 @@ class SebulbaProgram:
             raise RuntimeError(f"sebulba: actor threads {alive} did not stop within {timeout_s:.0f} s")
 
 
+# Row keys that are also reported per host, as host_<key> (this host's value; the Ray dashboard's
+# per-host gauges read them), while the key itself holds the value over every host.
+HOST_KEYS = ("steps_per_s", "frames_per_s", "policy_lag", "queue_occupancy", "learner_wait_fraction")
+
+
 class _Reporter:
-    """Turns the counters of the actors and the learner into one row of metrics per report."""
+    """Turns the counters of the actors and the learner into one row of metrics per report.
+
+    Over several hosts the row holds totals (env steps/s, frames/s, dropped trajectories, episodes) and
+    means (policy lag, queue occupancy, learner wait; the return over every finished episode) over
+    every host, gathered with one small collective per report; host_<key> keeps this host's values and
+    slowest_host_frames_per_s the slowest host's. Every host reports at the same updates (lockstep), so
+    the collective never waits on a host that is not reporting.
+    """
 
     def __init__(self, program: SebulbaProgram):
         self.program = program
@@ -274,6 +308,44 @@ class _Reporter:
         p.lags.clear()
         p.queue_sizes.clear()
         self.prev, self.time, self.learner_wait_s, self.updates = totals, now, 0.0, 0
+        return self._over_hosts(row, returns)
+
+    def _over_hosts(self, row: dict[str, float], returns: list[float]) -> dict[str, float]:
+        p = self.program
+        row.update({f"host_{k}": row[k] for k in HOST_KEYS})
+        row["hosts"] = float(p.host.process_count)
+        if p.host.process_count == 1:
+            row["slowest_host_frames_per_s"] = row["frames_per_s"]
+            return row
+        from jax.experimental import multihost_utils
+
+        local = np.array(
+            [
+                row["steps_per_s"],
+                row["policy_lag"],
+                row["policy_lag_max"],
+                row["queue_occupancy"],
+                row["learner_wait_fraction"],
+                row["dropped_trajectories"],
+                float(np.sum(returns)) if returns else 0.0,
+                float(len(returns)),
+            ],
+            np.float32,
+        )
+        every = np.asarray(multihost_utils.process_allgather(local), np.float64)  # [hosts, 8]
+        steps, lag, lag_max, occupancy, wait, dropped, return_sum, episodes = every.T
+        row.update(
+            steps_per_s=float(steps.sum()),
+            frames_per_s=float(steps.sum()) * p.frame_skip,
+            slowest_host_frames_per_s=float(steps.min()) * p.frame_skip,
+            policy_lag=float(lag.mean()),
+            policy_lag_max=float(lag_max.max()),
+            queue_occupancy=float(occupancy.mean()),
+            learner_wait_fraction=float(wait.mean()),
+            dropped_trajectories=float(dropped.sum()),
+            mean_return=float(return_sum.sum() / episodes.sum()) if episodes.sum() else math.nan,
+            episodes=float(episodes.sum()),
+        )
         return row
 
 
@@ -284,7 +356,8 @@ def run(
 
     Args:
       config: a validated Config with architecture 'sebulba'.
-      host: this process's HostContext (Sebulba is single-host here: it uses the local devices).
+      host: this process's HostContext: its actors use its local actor devices; the learner mesh spans
+        the learner devices of every host (host.devices).
       sinks: a metrics sink (podray.metrics.Sinks).
       checkpointer: a podray.checkpoint.Checkpointer, or None for no checkpoints.
       resume: continue from the checkpointer's latest checkpoint (the learner state and counters; the
@@ -353,6 +426,7 @@ def run_program(
                     }
                     checkpointer.save(version, state, meta)
         jax.block_until_ready(state)
+        program.params.publish(state.train.params, version, wait=True)  # every actor copy, current
     except BaseException:
         try:
             program.stop()
@@ -375,4 +449,5 @@ def run_program(
         compile_s=compile_s,
         steady_steps_per_s=steady,
         final_state=state,
+        actor_params=[program.params.latest(d)[1] for d in program.actor_devices],
     )

@@ -12,6 +12,13 @@ def _ready(tree: Any) -> bool:
     return all(leaf.is_ready() for leaf in jax.tree.leaves(tree))
 
 
+def local_copy(tree: Any) -> Any:
+    """This process's copy of replicated arrays: each leaf's first addressable shard (a full copy on
+    one of this host's devices). A learner mesh that spans hosts makes arrays that no device_put to an
+    actor device can take whole; their local copy it can, without waiting for them."""
+    return jax.tree.map(lambda x: x.addressable_data(0) if isinstance(x, jax.Array) else x, tree)
+
+
 class ParamsStore:
     """The newest parameters on each actor device, with the learner version that made them.
 
@@ -34,10 +41,11 @@ class ParamsStore:
         """Copies `params` (on the learner devices) to every actor device as `version`.
 
         Args:
-          params: the parameters, on any devices.
+          params: the parameters, replicated over the learner devices (of one host or of many).
           version: the learner's update count that produced them.
           wait: make them current at once (the first publication, before actors start).
         """
+        params = local_copy(params)
         copies = {d: jax.device_put(params, d) for d in self.devices}
         with self._lock:
             for d, p in copies.items():

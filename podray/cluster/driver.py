@@ -266,6 +266,11 @@ class HostGroup:
                 dead = [e for e in errors if isinstance(e, RayActorError)]
                 if dead:
                     raise HostLost(str(dead[0]).splitlines()[0]) from dead[0]
+                # A host that timed out waiting on its own work (Sebulba: its actors stalled) is lost
+                # like a dead one; the other hosts wait for it inside a collective until stop() kills them.
+                stalled = [e for e in errors if isinstance(getattr(e, "cause", None), TimeoutError)]
+                if stalled:
+                    raise HostLost(f"a host stalled: {stalled[0].cause}") from stalled[0]
                 raise
         return ray.get(refs)
 

@@ -107,4 +107,6 @@ class HostWorker:
             state = summary.final_state
             params = getattr(getattr(state, "train", state), "params", state)
             out["params"] = [np.asarray(leaf.addressable_shards[0].data) for leaf in jax.tree.leaves(params)]
+            if summary.actor_params is not None:  # Sebulba: each actor device's copy, as the actors use it
+                out["actor_params"] = [[np.asarray(leaf) for leaf in jax.tree.leaves(p)] for p in summary.actor_params]
         return out

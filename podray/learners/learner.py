@@ -4,17 +4,23 @@
 `shard_map` over a 1-D mesh of the learner devices (axis LEARNER_AXIS): the training state is
 replicated, each trajectory's batch axis is split over the devices (the actors put it there already),
 and each device concatenates its own shards of the k actor trajectories, so gathering the learner
-batch moves no data between devices. The agent averages gradients over LEARNER_AXIS, which keeps the
+batch moves no data between devices.
+
+Across hosts the mesh spans the learner devices of every host, host by host. Actors put their
+trajectories on their own host's learner devices (`local_batch_sharding`); `from_hosts` declares those
+per-device buffers the host's shards of a global trajectory (host h holds batch slices h*L .. h*L+L-1
+of L learner devices per host), so no trajectory crosses hosts: only the gradients' all-reduce does. The agent averages gradients over LEARNER_AXIS, which keeps the
 replicas identical. The step is compiled once, before the actors start, and the state is donated.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -47,15 +53,31 @@ class Learner:
       mesh: a 1-D mesh of the learner devices, axis named LEARNER_AXIS.
       trajectories_per_step: k, the actor trajectories gathered into one learner batch.
       channels_first: observations arrive [.., C, H, W] (envpool Atari) and are moved on device.
+      local_devices: this process's learner devices, in mesh order (default: every device of the mesh,
+        a single-process run).
     """
 
-    def __init__(self, agent: Agent, mesh: Mesh, trajectories_per_step: int, channels_first: bool = False):
+    def __init__(
+        self,
+        agent: Agent,
+        mesh: Mesh,
+        trajectories_per_step: int,
+        channels_first: bool = False,
+        local_devices: Sequence[jax.Device] | None = None,
+    ):
         self.agent = agent
         self.mesh = mesh
         self.k = trajectories_per_step
         self.channels_first = channels_first
         self.replicated = NamedSharding(mesh, P())
         self.batch_sharding = NamedSharding(mesh, P(None, LEARNER_AXIS))
+        local = list(local_devices) if local_devices is not None else list(mesh.devices.flat)
+        self.hosts = mesh.devices.size // len(local)
+        if self.hosts == 1:
+            self.local_batch_sharding = self.batch_sharding
+        else:
+            local_mesh = Mesh(np.asarray(local, dtype=object), (LEARNER_AXIS,))
+            self.local_batch_sharding = NamedSharding(local_mesh, P(None, LEARNER_AXIS))
         step = jax.shard_map(
             self._step,
             mesh=mesh,
@@ -82,9 +104,28 @@ class Learner:
         train, metrics = self.agent.update(state.train, trajectory, update_key, LEARNER_AXIS)
         return LearnerState(train=train, key=key), metrics
 
+    def from_hosts(self, trajectory: Trajectory) -> Trajectory:
+        """This host's trajectory [T(+1), B, ...] (on its learner devices, `local_batch_sharding`) as
+        its shards of the global trajectory [T(+1), B * hosts, ...] over every host's learner devices.
+
+        Every host calls this in the same step with its own trajectory; no data moves. A single-host
+        learner returns `trajectory` as it is.
+        """
+        if self.hosts == 1:
+            return trajectory
+
+        def global_array(x: jax.Array) -> jax.Array:
+            shape = (x.shape[0], x.shape[1] * self.hosts, *x.shape[2:])
+            shards = [shard.data for shard in x.addressable_shards]
+            return jax.make_array_from_single_device_arrays(shape, self.batch_sharding, shards)
+
+        return jax.tree.map(global_array, trajectory)
+
     def initial_state(self, seed: int) -> LearnerState:
         """The state before the first step (the same parameters on every learner device)."""
-        return self.init(jax.device_put(jax.random.PRNGKey(seed), self.replicated))
+        key = np.asarray(jax.random.PRNGKey(seed))
+        # Every process holds the same key and places it on its own learner devices (multi-host safe).
+        return self.init(jax.make_array_from_callback(key.shape, self.replicated, lambda index: key[index]))
 
     def abstract_state(self, seed: int) -> LearnerState:
         """Shapes and shardings of the state (what a checkpoint restores into)."""
@@ -92,7 +133,8 @@ class Learner:
         return jax.eval_shape(self.init, key)
 
     def abstract_trajectory(self, rollout_length: int, actor_batch: int, obs_shape, obs_dtype) -> Trajectory:
-        """The shape of one actor trajectory as it arrives (for compiling before the actors start)."""
+        """The shape of one global trajectory of `actor_batch` environments (over every host) as the
+        step takes it (for compiling before the actors start)."""
         T, B, A = rollout_length, actor_batch, self.agent.spec.num_actions
         s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)  # noqa: E731
         from podray.agents import ActorOut
