@@ -314,6 +314,7 @@ class _Reporter:
         p = self.program
         row.update({f"host_{k}": row[k] for k in HOST_KEYS})
         row["hosts"] = float(p.host.process_count)
+        row["learner_devices"] = float(len(p.learner_devices))  # the learner mesh, over every host
         if p.host.process_count == 1:
             row["slowest_host_frames_per_s"] = row["frames_per_s"]
             return row

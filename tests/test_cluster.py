@@ -257,8 +257,3 @@ def test_cli_starts_and_stops_its_own_local_ray(tmp_path):
 def test_bad_cluster_fields_are_named(override, field):
     with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
         config_lib.load(None, override.split())
-
-
-def test_sebulba_is_single_host_for_now():
-    with pytest.raises(config_lib.ConfigError, match=r"run\.hosts: Sebulba runs on one host"):
-        config_lib.load("sebulba_cartpole", ["run.hosts=2"])

@@ -4,13 +4,13 @@
 `shard_map` over a 1-D mesh of the learner devices (axis LEARNER_AXIS): the training state is
 replicated, each trajectory's batch axis is split over the devices (the actors put it there already),
 and each device concatenates its own shards of the k actor trajectories, so gathering the learner
-batch moves no data between devices.
+batch moves no data between devices. The agent averages gradients over LEARNER_AXIS, which keeps the
+replicas identical. The step is compiled once, before the actors start, and the state is donated.
 
 Across hosts the mesh spans the learner devices of every host, host by host. Actors put their
 trajectories on their own host's learner devices (`local_batch_sharding`); `from_hosts` declares those
 per-device buffers the host's shards of a global trajectory (host h holds batch slices h*L .. h*L+L-1
-of L learner devices per host), so no trajectory crosses hosts: only the gradients' all-reduce does. The agent averages gradients over LEARNER_AXIS, which keeps the
-replicas identical. The step is compiled once, before the actors start, and the state is donated.
+of L learner devices per host), so no trajectory crosses hosts: only the gradients' all-reduce does.
 """
 
 from __future__ import annotations
