@@ -3,6 +3,7 @@
   podray train [PRESET_OR_YAML] [--set section.field=value ...] [--run-dir DIR] [--resume RUN_DIR]
                [--address RAY_ADDRESS] [--dashboard] [--in-process]
   podray bench anakin|sebulba|ray [--out FILE] [--quick]
+  podray bench sebulba-hosts|scale [--repeats R] [--out FILE] [--quick]
   podray bench sebulba [--torso T,..] [--batch B,..] [--threads N,..] [--split S,..] [--repeats R] [--seconds S]
   podray bench probe RUN_DIR [--step UPDATE] [--out FILE]
   podray tune STUDY_YAML [--set section.field=value ...] [--storage DIR] [--name NAME] [--address ADDR]
@@ -120,10 +121,18 @@ def _comma_list(flag: str, text: str | None, kind=str) -> list | None:
 
 def _bench(args: argparse.Namespace) -> int:
     sebulba_only = {"--torso": args.torso, "--batch": args.batch, "--threads": args.threads, "--split": args.split}
-    if args.target != "sebulba" and (any(v is not None for v in sebulba_only.values()) or args.repeats != 1):
+    if args.target != "sebulba" and any(v is not None for v in sebulba_only.values()):
         raise config_lib.ConfigError(
-            f"bench {args.target}: --torso/--batch/--threads/--split/--repeats belong to 'podray bench sebulba'"
+            f"bench {args.target}: --torso/--batch/--threads/--split belong to 'podray bench sebulba'"
         )
+    if args.target not in ("sebulba", "sebulba-hosts", "scale") and args.repeats is not None:
+        raise config_lib.ConfigError(
+            f"bench {args.target}: --repeats belongs to 'podray bench sebulba', 'sebulba-hosts' and 'scale'"
+        )
+    if args.repeats is None:
+        args.repeats = 3 if args.target == "sebulba-hosts" else 1
+    if args.repeats < 1:
+        raise config_lib.ConfigError(f"bench {args.target}: --repeats {args.repeats} must be >= 1")
     if args.target == "anakin":
         from podray.bench import anakin_bench
 
@@ -133,6 +142,16 @@ def _bench(args: argparse.Namespace) -> int:
         from podray.bench import ray_bench
 
         ray_bench.main(out=args.out, quick=args.quick)
+        return 0
+    if args.target == "sebulba-hosts":
+        from podray.bench import hosts_bench
+
+        hosts_bench.main(out=args.out, quick=args.quick, repeats=args.repeats)
+        return 0
+    if args.target == "scale":
+        from podray.bench import scale_bench
+
+        scale_bench.main(out=args.out, quick=args.quick, repeats=args.repeats)
         return 0
     if args.target == "sebulba":
         from podray import host
@@ -161,7 +180,9 @@ def _bench(args: argparse.Namespace) -> int:
 
         probe.main(args.run_dir, out=args.out, frames=args.frames, step=args.step)
         return 0
-    raise config_lib.ConfigError(f"bench: unknown target '{args.target}'; choose anakin, sebulba, ray or probe")
+    raise config_lib.ConfigError(
+        f"bench: unknown target '{args.target}'; choose anakin, sebulba, sebulba-hosts, scale, ray or probe"
+    )
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -245,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(func=_train)
     b = sub.add_parser("bench", help="throughput benchmarks; 'probe RUN_DIR' looks inside a run's network")
-    b.add_argument("target", choices=["anakin", "sebulba", "ray", "probe"], help="what to benchmark")
+    b.add_argument(
+        "target", choices=["anakin", "sebulba", "sebulba-hosts", "scale", "ray", "probe"], help="what to benchmark"
+    )
     b.add_argument("run_dir", nargs="?", default=None, help="probe: the run directory (its latest checkpoint)")
     b.add_argument("--frames", type=int, default=2400, help="probe: random-play frames to look at")
     b.add_argument(
@@ -259,7 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", default=None, help="sebulba: threads per actor device to sweep, e.g. 1,2,4")
     b.add_argument("--split", default=None, help="sebulba: actor+learner device splits to sweep: 1+1, 1+2, 2+2")
     b.add_argument(
-        "--repeats", type=int, default=1, help="sebulba: runs of every setting (interleaved rounds; rows hold medians)"
+        "--repeats",
+        type=int,
+        default=None,
+        help="sebulba, sebulba-hosts, scale: runs of every setting, interleaved (default 1; sebulba-hosts 3)",
     )
     b.set_defaults(func=_bench)
     u = sub.add_parser("tune", help="run a Ray Tune study from tune_configs/ (docs/operations.md, Tuning)")

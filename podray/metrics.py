@@ -34,6 +34,10 @@ class ConsoleProgress:
             f"env steps {int(metrics.get('env_steps', step)):>12,d}/{self.total_steps:,d}  "
             f"steps/s {metrics.get('steps_per_s', 0.0):>11,.0f}  mean return {ret:8.2f}"
         )
+        if "frames_per_s" in metrics:  # Sebulba: frames (4 per Atari step), over every host
+            line += f"  frames/s {metrics['frames_per_s']:>11,.0f}"
+        if metrics.get("hosts", 1) > 1:
+            line += f"  ({int(metrics['hosts'])} hosts, slowest {metrics.get('slowest_host_frames_per_s', 0.0):,.0f})"
         if self._tty:
             self.stream.write("\r" + line)
         else:

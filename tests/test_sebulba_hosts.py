@@ -6,6 +6,8 @@ import os
 import signal
 import threading
 import time
+import urllib.request
+import uuid
 
 import numpy as np
 import pytest
@@ -33,7 +35,33 @@ def test_two_hosts_learn_cartpole_with_one_learner_mesh_and_identical_actor_para
         "agent.num_minibatches=4",
         "total_env_steps=300000",
     )
-    (result,) = train_on_ray(config, run_dir=tmp_path, return_params=True)
+    # Each host's own gauges reach Ray's metrics export, tagged with its host index.
+    name = f"hosts_{uuid.uuid4().hex[:8]}"
+    config.name = name
+    port = ray_cluster.head_node.metrics_export_port
+    seen: set[str] = set()
+    stop = threading.Event()
+
+    def scrape_loop():
+        while not stop.is_set() and len(seen) < 2:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                    text = response.read().decode()
+            except OSError:
+                text = ""
+            for line in text.splitlines():
+                if line.startswith("ray_podray_host_frames_per_s{") and f'run="{name}"' in line:
+                    seen.update(h for h in ("0", "1") if f'host="{h}"' in line)
+            time.sleep(0.3)
+
+    poller = threading.Thread(target=scrape_loop, daemon=True)
+    poller.start()
+    try:
+        (result,) = train_on_ray(config, run_dir=tmp_path, return_params=True)
+        poller.join(timeout=15)
+    finally:
+        stop.set()
+    assert seen == {"0", "1"}, f"per-host gauges not exported on http://127.0.0.1:{port}/metrics"
     hosts = result["hosts"]
     assert [h["process_index"] for h in hosts] == [0, 1]
     assert result["final_mean_return"] >= 400, result

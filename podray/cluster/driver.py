@@ -243,21 +243,31 @@ class HostGroup:
 
     def train(self, config: config_lib.Config, run_dir: str, resume: bool, tags: dict, return_params=False) -> list:
         """Runs train() on every host; returns their results, or raises HostLost / the host's error."""
+        config_dict = config.to_dict()
+        return self.wait([w.train.remote(config_dict, run_dir, resume, tags, return_params) for w in self.workers])
+
+    def wait(self, refs: list, grace_s: float = 5.0) -> list:
+        """The results of one call on every host (`refs`, in host order), or HostLost when a host died
+        or stalled, or the first host's error.
+
+        A dead host raises HostLost at once: the others may be blocked in a collective with it and are
+        not waited for (stop() kills them). A host that raised an error gets `grace_s` for the others
+        to fail too, since an error raised because a peer died (a collective lost it) is a lost host,
+        not a bug in the program.
+        """
         import ray
         from ray.exceptions import RayActorError
 
-        config_dict = config.to_dict()
-        refs = [w.train.remote(config_dict, run_dir, resume, tags, return_params) for w in self.workers]
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             try:
                 ray.get(done[0])
+            except RayActorError as dead:
+                raise HostLost(str(dead).splitlines()[0]) from dead
             except Exception as error:
-                # The other hosts fail soon after (their collectives lose a peer): look a few seconds
-                # for a dead actor, which says "host lost" rather than "bug in the program".
                 errors = [error]
-                ready, _ = ray.wait(pending, num_returns=len(pending), timeout=5.0) if pending else ([], [])
+                ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s) if pending else ([], [])
                 for ref in ready:
                     try:
                         ray.get(ref)

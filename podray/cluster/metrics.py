@@ -2,6 +2,11 @@
 
 Ray aggregates each process's metrics in its node's metrics agent, which the dashboard reads and
 Prometheus scrapes (docs/operations.md); we only set gauges, so writing never blocks the learner.
+
+Every host writes its own gauges, tagged host=<process index>. The run-wide gauges (frames/s, env
+steps, return) carry the run's totals on every host; the podray_host_* gauges carry that host's own
+rate, policy lag, queue occupancy and learner wait (Sebulba reports them as host_<key>), so a slow host
+stands out beside the others on the dashboard.
 """
 
 from __future__ import annotations
@@ -12,12 +17,19 @@ from typing import Mapping
 
 # metric name on the dashboard -> (key in the program's metrics, description)
 GAUGES = {
-    "podray_frames_per_s": ("steps_per_s", "Environment frames per second (all devices of the run)"),
+    "podray_frames_per_s": ("steps_per_s", "Environment steps per second (all devices of all hosts of the run)"),
     "podray_learner_steps_per_s": ("learner_steps_per_s", "Learner updates per second"),
     "podray_episode_return": ("mean_return", "Mean return of the episodes completed in the last interval"),
     "podray_policy_lag": ("policy_lag", "Parameter versions between acting and learning (0 for Anakin)"),
     "podray_queue_occupancy": ("queue_occupancy", "Fill of the actor-to-learner queue, 0..1 (Sebulba)"),
     "podray_env_steps": ("env_steps", "Environment steps so far"),
+    "podray_host_frames_per_s": ("host_frames_per_s", "Frames per second of this host's actors (Sebulba)"),
+    "podray_host_policy_lag": ("host_policy_lag", "Mean policy lag of the trajectories this host's learner took"),
+    "podray_host_queue_occupancy": ("host_queue_occupancy", "Mean fill of this host's actor-to-learner queue"),
+    "podray_host_learner_wait": (
+        "host_learner_wait_fraction",
+        "Fraction of time this host's learner waited for trajectories (its actors, or a slower host)",
+    ),
 }
 TAG_KEYS = ("run", "replica", "host")
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+import time
+from typing import Any, Callable
 
 
 def _strip_device_count_flag() -> None:
@@ -48,6 +49,7 @@ class HostWorker:
             "pid": os.getpid(),
             "tpu_worker_id": os.environ.get("TPU_WORKER_ID"),
             "tpu_name": os.environ.get("TPU_NAME"),
+            "cpu_s": time.process_time(),  # CPU this process spent so far (start-up: imports, Ray)
         }
 
     def coordinator_address(self, loopback: bool) -> str:
@@ -80,7 +82,13 @@ class HostWorker:
             "process_count": jax.process_count(),
             "local_devices": jax.local_device_count(),
             "global_devices": jax.device_count(),
+            "cpu_s": time.process_time(),
         }
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs fn(*args) in this host's process and returns its result (`podray bench scale` times the
+        program's first collective and its per-report traffic with it)."""
+        return fn(*args)
 
     def train(
         self, config_dict: dict, run_dir: str, resume: bool, metric_tags: dict[str, str], return_params: bool = False
