@@ -70,7 +70,7 @@ def _run(layout: str, common: list[str], workdir: str) -> Row:
     )
 
 
-def main(out: str | None = None, quick: bool = False, repeats: int = 3, updates: int = 12) -> list[dict]:
+def main(out: str | None = None, quick: bool = False, repeats: int = 3, updates: int = 8) -> list[dict]:
     """Runs both layouts `repeats` times, alternated; prints each run, the medians and the ratio.
 
     Args:
