@@ -147,3 +147,42 @@ def _escape(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_a_dead_or_stalled_host_is_reported_within_seconds_while_the_others_are_blocked(ray_cluster):
+    """HostGroup.wait: a host killed while the others wait in a collective is lost at once; a host whose
+    actors stalled (TimeoutError) is lost after the grace for the others, never after their sleep."""
+    import ray
+
+    from podray.cluster.driver import HostLost
+
+    class StandIn:  # a host worker that sleeps (as if blocked in a collective) or stalls
+        def pid(self) -> int:
+            return os.getpid()
+
+        def sleep(self, seconds: float) -> None:
+            time.sleep(seconds)
+
+        def stall(self) -> None:
+            raise TimeoutError("sebulba: no trajectory from the actors for 1 s")
+
+    Host = ray.remote(num_cpus=0, max_restarts=0)(StandIn)
+    hosts = [Host.remote() for _ in range(2)]
+    group = HostGroup(workers=hosts, nodes=[])
+    survivor = Host.remote()
+    try:
+        pid = ray.get(hosts[1].pid.remote())
+        refs = [hosts[0].sleep.remote(120), hosts[1].sleep.remote(120)]
+        time.sleep(0.5)
+        start = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(HostLost):
+            group.wait(refs)
+        assert time.monotonic() - start < 10
+        start = time.monotonic()
+        with pytest.raises(HostLost, match="a host stalled: sebulba: no trajectory"):
+            group.wait([hosts[0].sleep.remote(120), survivor.stall.remote()], grace_s=1.0)
+        assert time.monotonic() - start < 10
+    finally:
+        for h in [*hosts, survivor]:
+            ray.kill(h)

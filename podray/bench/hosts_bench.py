@@ -70,7 +70,9 @@ def _run(layout: str, common: list[str], workdir: str) -> Row:
     )
 
 
-def main(out: str | None = None, quick: bool = False, repeats: int = 3, updates: int = 8) -> list[dict]:
+def main(
+    out: str | None = None, quick: bool = False, repeats: int = 3, updates: int = 8, rollout_length: int = 128
+) -> list[dict]:
     """Runs both layouts `repeats` times, alternated; prints each run, the medians and the ratio.
 
     Args:
@@ -78,10 +80,12 @@ def main(out: str | None = None, quick: bool = False, repeats: int = 3, updates:
       quick: one round of 4 updates each (a smoke test of the command, not a measurement).
       repeats: rounds (one run of each layout per round).
       updates: learner updates per run (steady state is measured from the first report, every 2 updates).
+      rollout_length: T of every trajectory (the preset's 128; shorter keeps a run short on a busy
+        machine, with the same 4 x 4 gradient steps, so the same all-reduces, per update).
     """
     if quick:
         repeats, updates = 1, 4
-    actor_batch, learner_batch, rollout = 8, 16, 128
+    actor_batch, learner_batch, rollout = 8, 16, rollout_length
     common = [
         "sebulba.threads_per_actor_device=2",
         f"sebulba.actor_batch_size={actor_batch}",
