@@ -87,16 +87,17 @@ def local_context(device_indices: Sequence[int] = ()) -> HostContext:
 
 
 def check_devices(config: config_lib.Config, num_devices: int) -> None:
-    """The checks of `config` that need the device count of the run (still before any compilation):
-    Sebulba's device split must index existing devices, Anakin's environments must divide over them."""
+    """The checks of `config` that need the device count (still before any compilation): Sebulba's
+    device split must index existing devices of each host (`num_devices`: one host's), Anakin's
+    environments must divide over the run's devices (`num_devices`: every host's)."""
     if config.architecture == "sebulba":
         s = config.sebulba
         for name in ("actor_devices", "learner_devices"):
             bad = [i for i in getattr(s, name) if i >= num_devices]
             if bad:
                 raise ConfigError(
-                    f"sebulba.{name}: index {bad[0]} is out of range; this run has {num_devices} devices "
-                    f"(0..{num_devices - 1}); on CPU set run.cpu_devices to fake more"
+                    f"sebulba.{name}: index {bad[0]} is out of range; each host of this run has {num_devices} "
+                    f"devices (0..{num_devices - 1}); on CPU set run.cpu_devices to fake more"
                 )
         return
     total = config_lib.num_envs(config, num_devices)

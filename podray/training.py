@@ -63,7 +63,8 @@ def train(
     if host is None:
         host_lib.configure_cpu_devices(config.run.cpu_devices)
         host = host_lib.local_context(config.run.devices)
-    host_lib.check_devices(config, len(host.devices))
+    # Sebulba's split indexes this host's devices; Anakin's environments divide over every host's.
+    host_lib.check_devices(config, len(host.local_devices if config.architecture == "sebulba" else host.devices))
 
     run_dir.mkdir(parents=True, exist_ok=True)
     from podray.checkpoint import Checkpointer

@@ -28,5 +28,7 @@ def validate(config: config_lib.Config, num_devices: int | None = None) -> None:
     from podray import envs
 
     envs.check_config(config.architecture, config.env.name, config.network.torso)
-    for count in sorted({len(r.devices) or r.cpu_devices * r.hosts, num_devices or 0} - {0}):
+    # Sebulba's device split indexes each host's own devices; Anakin's mesh spans every host's.
+    hosts = 1 if config.architecture == "sebulba" else r.hosts
+    for count in sorted({len(r.devices) or r.cpu_devices * hosts, num_devices or 0} - {0}):
         host.check_devices(config, count)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from podray import config as config_lib
+from podray import validation
 from podray.cluster import HostGroup, train_on_ray
 from podray.metrics import read_jsonl
 
@@ -135,9 +136,9 @@ def test_killed_host_of_a_two_host_sebulba_run_is_restored_from_checkpoint(ray_c
 def test_bad_multi_host_sebulba_config_is_rejected_before_any_worker_starts(overrides, message, monkeypatch, tmp_path):
     placed = []
     monkeypatch.setattr(HostGroup, "place", classmethod(lambda cls, *a, **k: placed.append(a)))
-    with pytest.raises(config_lib.ConfigError, match=_escape(message)):
-        config_lib.load("sebulba_cartpole", TWO_HOSTS + overrides)
     config = config_lib.load("sebulba_cartpole", TWO_HOSTS + overrides, check=False)
+    with pytest.raises(config_lib.ConfigError, match=_escape(message)):
+        validation.validate(config)
     with pytest.raises(config_lib.ConfigError, match=_escape(message)):
         train_on_ray(config, run_dir=tmp_path, address="none-should-be-reached:1")
     assert placed == []
