@@ -594,8 +594,31 @@ def _validate_sebulba(config: Config) -> None:
             f"sebulba.envs_per_actor_thread: {s.envs_per_actor_thread} must be 0 (sync) or a multiple >= 2 of "
             f"sebulba.actor_batch_size ({s.actor_batch_size}) for envpool's async mode"
         )
+    if not r.tpu_topology:  # a TPU slice's host count comes from Ray (podray.validation checks it then)
+        check_sebulba_batches(config, r.hosts)
+    if r.checkpoint_every < 0 or r.checkpoint_every % s.log_every:
+        raise ConfigError(
+            f"run.checkpoint_every: {r.checkpoint_every} must be 0 or a positive multiple of sebulba.log_every "
+            f"({s.log_every}), since checkpoints are taken at reports"
+        )
+    if e.noop_max < 1:
+        raise ConfigError(f"env.noop_max: must be >= 1 (envpool 1.2 crashes with 0), got {e.noop_max}")
+    if e.envpool_threads < 0:
+        raise ConfigError(f"env.envpool_threads: must be >= 0, got {e.envpool_threads}")
+    if e.max_episode_steps < 0:
+        raise ConfigError(
+            f"env.max_episode_steps: must be >= 0 (0 keeps envpool's time limit), got {e.max_episode_steps}"
+        )
+    if not 0.0 <= e.sticky_actions <= 1.0:
+        raise ConfigError(f"env.sticky_actions: must be in [0, 1], got {e.sticky_actions}")
+
+
+def check_sebulba_batches(config: Config, hosts: int) -> None:
+    """Sebulba's batches over `hosts` hosts: the global learner batch divides over every learner device
+    of every host, each host's share is a multiple or a divisor of the actor batch, and its pieces split
+    over the host's learner devices."""
+    s = config.sebulba
     n_learners = len(s.learner_devices)
-    hosts = _sebulba_hosts(config)
     if hosts > 1 and s.learner_batch_size % (hosts * n_learners):
         raise ConfigError(
             f"sebulba.learner_batch_size: {s.learner_batch_size} is the global learner batch and must divide "
@@ -624,31 +647,6 @@ def _validate_sebulba(config: Config) -> None:
         "sebulba.learner_batch_size / learner devices",
         "sebulba.rollout_length",
     )
-    if r.checkpoint_every < 0 or r.checkpoint_every % s.log_every:
-        raise ConfigError(
-            f"run.checkpoint_every: {r.checkpoint_every} must be 0 or a positive multiple of sebulba.log_every "
-            f"({s.log_every}), since checkpoints are taken at reports"
-        )
-    if e.noop_max < 1:
-        raise ConfigError(f"env.noop_max: must be >= 1 (envpool 1.2 crashes with 0), got {e.noop_max}")
-    if e.envpool_threads < 0:
-        raise ConfigError(f"env.envpool_threads: must be >= 0, got {e.envpool_threads}")
-    if e.max_episode_steps < 0:
-        raise ConfigError(
-            f"env.max_episode_steps: must be >= 0 (0 keeps envpool's time limit), got {e.max_episode_steps}"
-        )
-    if not 0.0 <= e.sticky_actions <= 1.0:
-        raise ConfigError(f"env.sticky_actions: must be in [0, 1], got {e.sticky_actions}")
-
-
-def _sebulba_hosts(config: Config) -> int:
-    """Hosts of a Sebulba run: run.hosts, or the TPU hosts of run.tpu_topology's slice."""
-    r = config.run
-    if not r.tpu_topology:
-        return r.hosts
-    from podray.cluster import tpu
-
-    return tpu.slice_shape(r.tpu_topology, r.tpu_version).hosts
 
 
 def num_envs(config: Config, num_devices: int) -> int:

@@ -22,6 +22,10 @@ def validate(config: config_lib.Config, num_devices: int | None = None) -> None:
     from podray import host
 
     r = config.run
+    if config.architecture == "sebulba" and r.tpu_topology:
+        from podray.cluster import tpu
+
+        config_lib.check_sebulba_batches(config, tpu.slice_shape(r.tpu_topology, r.tpu_version).hosts)
     if config.architecture == "anakin":
         # gymnax builds arrays when imported, which starts JAX: fake the CPU devices first.
         host.configure_cpu_devices_if_not_started(r.cpu_devices)

@@ -106,4 +106,4 @@ def test_bench_sebulba_flags_are_checked_before_anything_runs(capsys):
         assert cli.main(["bench", "sebulba", *argv]) == 2
         assert message in capsys.readouterr().err
     assert cli.main(["bench", "anakin", "--repeats", "3"]) == 2
-    assert "belong to 'podray bench sebulba'" in capsys.readouterr().err
+    assert "belongs to 'podray bench sebulba'" in capsys.readouterr().err
