@@ -3,24 +3,35 @@ config, written atomically, the newest `keep` kept.
 
 orbax writes each save to a temporary directory and renames it when complete, so a run killed while
 saving still has its previous checkpoint; in a multi-host run every process calls save and orbax
-writes each array shard once.
+writes each array shard once. The directory may be an object-store URI (podray.storage): there orbax
+writes each step under its final name and commits it with a marker file written last (an object
+store has no atomic rename), and only committed steps are listed.
 """
 
 from __future__ import annotations
 
-import pathlib
+import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from podray import storage
+
 
 class Checkpointer:
     """Saves and restores (state pytree, metadata dict) pairs under `directory`, by step."""
 
-    def __init__(self, directory: str | pathlib.Path, keep: int = 2):
-        self.directory = pathlib.Path(directory).resolve()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
+    def __init__(self, directory: str | os.PathLike, keep: int = 2):
+        self.directory = storage.run_path(directory)
+        remote = {}
+        if storage.is_uri(self.directory):
+            if storage.scheme(self.directory) == "s3":
+                storage.enable_orbax_s3()
+            remote["atomicity_options"] = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=False, **remote
+        )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
     def save(self, step: int, state: Any, meta: dict) -> None:

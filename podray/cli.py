@@ -1,6 +1,6 @@
 """The `podray` command: train, bench.
 
-  podray train [PRESET_OR_YAML] [--set section.field=value ...] [--run-dir DIR] [--resume RUN_DIR]
+  podray train [PRESET_OR_YAML] [--set section.field=value ...] [--run-dir DIR|URI] [--resume RUN_DIR]
                [--address RAY_ADDRESS] [--dashboard] [--in-process]
   podray bench anakin|sebulba|ray [--out FILE] [--quick]
   podray bench sebulba-hosts|scale [--repeats R] [--out FILE] [--quick]
@@ -60,6 +60,10 @@ def _train(args: argparse.Namespace) -> int:
 
     # Absolute, under the runs root; a directory in Ray's job cache is refused here, before any compile.
     run_dir = run_dirs.resolve(config, run_dir)
+    if not args.resume:  # (load_run_config checked a resumed one)
+        from podray import storage
+
+        storage.check_run_dir(run_dir, "--run-dir")  # an object store: its filesystem, bucket, credentials
     validation.validate(config)
     print(f"podray: run dir {run_dir}", flush=True)
     if not use_ray:
@@ -238,14 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--run-dir",
         default=None,
-        help="run directory; a relative one goes under run.runs_root / $PODRAY_RUNS_ROOT when set "
-        "(default <runs root>/<name>-<time>, else runs/<name>-<time>)",
+        help="run directory: a path or an object-store URI (gs://BUCKET/PATH, s3://BUCKET/PATH); a relative "
+        "path goes under run.runs_root / $PODRAY_RUNS_ROOT when set (default <runs root>/<name>-<time>, else "
+        "runs/<name>-<time>)",
     )
     t.add_argument(
         "--resume",
         default=None,
         metavar="RUN_DIR",
-        help="continue a run from its latest checkpoint; --set may then change only "
+        help="continue a run (a path or a gs:// / s3:// URI) from its latest checkpoint; --set may then change only "
         "total_env_steps (to extend it) and the run's logging and checkpoint fields",
     )
     t.add_argument(
@@ -298,7 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FIELD=VALUE",
         help="override fields of the base config for every trial (several after one --set; repeatable)",
     )
-    u.add_argument("--storage", default="tune_runs", help="directory of study directories (default tune_runs)")
+    u.add_argument(
+        "--storage",
+        default="tune_runs",
+        help="directory of study directories, a path or a gs:// / s3:// URI (default tune_runs)",
+    )
     u.add_argument("--name", default=None, help="study directory name (default <study name>-<time>)")
     u.add_argument("--address", default=None, help="Ray cluster address (default $RAY_ADDRESS, else a local Ray)")
     u.add_argument("--resume", default=None, metavar="STUDY_DIR", help="resume an interrupted study (Tuner.restore)")

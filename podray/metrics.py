@@ -2,16 +2,26 @@
 
 Producing a metric never blocks the learner: programs aggregate on device and pull once per log
 interval, then hand a flat dict of floats to every sink.
+
+The files live in the run directory, which may be on an object store (podray.storage). An object has
+no append, so there the JSONL sink keeps its text and writes the whole object again at each row, and
+the TensorBoard sink writes its event files in a local folder and copies them to the store at each
+row: a run that dies loses no row it wrote, and in particular none up to its last checkpoint (a
+program writes a row before it saves that step).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import pathlib
+import os
+import shutil
 import sys
+import tempfile
 import time
 from typing import Mapping, Protocol, Sequence
+
+from podray import storage
 
 
 class Sink(Protocol):
@@ -51,51 +61,78 @@ class ConsoleProgress:
 
 
 class JsonlSink:
-    """One JSON object per write in `path`, with the step and wall time."""
+    """One JSON object per write in `path` (a local file or an object-store URI), with the step and
+    wall time. On an object store each write rewrites the object with the rows so far (kept here), so
+    the object always holds every row written; a row is one log interval, so the rewrite costs one
+    PUT of the file per interval."""
 
-    def __init__(self, path: str | pathlib.Path):
-        self.path = pathlib.Path(path)
-        self._file = self.path.open("a")
+    def __init__(self, path: str | os.PathLike):
+        self.path = storage.run_path(path)
+        self._remote = storage.is_uri(self.path)
+        if self._remote:
+            self._text = storage.read_text(self.path) or ""
+        else:
+            self._file = open(os.fspath(self.path), "a")
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         row = {"step": int(step), "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        line = json.dumps(row) + "\n"
+        if self._remote:
+            self._text += line
+            self.path.write_text(self._text)
+        else:
+            self._file.write(line)
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if not self._remote:
+            self._file.close()
 
 
-def truncate_jsonl(path: str | pathlib.Path, max_step: int) -> None:
+def truncate_jsonl(path: str | os.PathLike, max_step: int) -> None:
     """Drops rows after `max_step` (used on resume, so that replayed steps are not logged twice)."""
-    path = pathlib.Path(path)
-    if not path.exists():
+    path = storage.run_path(path)
+    text = storage.read_text(path)
+    if text is None:
         return
-    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = [line for line in text.splitlines() if line.strip()]
     kept = [line for line in rows if json.loads(line).get("step", 0) <= max_step]
-    path.write_text("".join(line + "\n" for line in kept))
+    storage.write_text(path, "".join(line + "\n" for line in kept))
 
 
-def read_jsonl(path: str | pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The rows of a JSONL file (local or on an object store)."""
+    text = storage.run_path(path).read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 class TensorBoardSink:
-    """TensorBoard event files (tensorboardX), one scalar per metric."""
+    """TensorBoard event files (tensorboardX), one scalar per metric, in `logdir` (a local folder or an
+    object-store URI; there the files are written in a local folder and copied up at each write)."""
 
-    def __init__(self, logdir: str | pathlib.Path):
+    def __init__(self, logdir: str | os.PathLike):
         from tensorboardX import SummaryWriter
 
-        self._writer = SummaryWriter(str(logdir))
+        self._remote = storage.run_path(logdir) if storage.is_uri(logdir) else None
+        self._staging = tempfile.mkdtemp(prefix="podray-tb-") if self._remote else None
+        self._writer = SummaryWriter(self._staging or os.fspath(logdir))
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self._writer.add_scalar(key, value, step)
         self._writer.flush()
+        self._upload()
 
     def close(self) -> None:
         self._writer.close()
+        if self._staging:
+            self._upload()
+            shutil.rmtree(self._staging, ignore_errors=True)
+
+    def _upload(self) -> None:
+        if self._remote is not None:
+            storage.copy_tree(storage.Path(self._staging), self._remote)
 
 
 class Sinks:

@@ -11,9 +11,9 @@ deletes when the cache grows past its size limit and no job uses the copy, and w
 Ray session, so a run directory there would lose the run's checkpoints, metrics and summary.
 `resolve` refuses such a directory, naming the field to set, before anything compiles.
 
-The runs root is joined to a run's name in one place (`join`), so that an object-store root (gs://,
-s3://) needs only that function and the path API behind it; only local (or mounted) paths are
-accepted for now.
+The run directory and the runs root may be object-store URIs (gs://, s3://; podray.storage): a
+relative run directory joins a URI root with '/' (`join`), and a URI is used as it is (Ray's cache is
+a local directory, so a URI is never in it).
 """
 
 from __future__ import annotations
@@ -93,12 +93,12 @@ def existing(run_dir: str | os.PathLike) -> str:
 
 
 def resolve(config: config_lib.Config, run_dir: str | os.PathLike | None = None) -> str:
-    """The absolute run directory of a run: `run_dir`, else `run.run_dir`, else the default name, placed
-    under the runs root when relative (module docstring). Creates nothing.
+    """The absolute run directory (or object-store URI) of a run: `run_dir`, else `run.run_dir`, else the
+    default name, placed under the runs root when relative (module docstring). Creates nothing.
 
     Raises:
       ConfigError: the directory would be inside Ray's runtime-resources cache (a Ray job's copy of its
-        working directory, deleted after the job), or the root is an object-store URI (not supported yet).
+        working directory, deleted after the job).
     """
     given = str(run_dir or config.run.run_dir or "")
     root, source = runs_root(config)
@@ -109,10 +109,7 @@ def resolve(config: config_lib.Config, run_dir: str | os.PathLike | None = None)
     else:
         path, field = join(root or "runs", default_name(config)), source or "run.runs_root"
     if is_uri(path):
-        raise config_lib.ConfigError(
-            f"{field}: {path} is an object-store URI, which run directories do not support yet; give a local "
-            "or mounted path (e.g. a bucket mounted with gcsfuse)"
-        )
+        return path.rstrip("/")  # reached through podray.storage by every host
     path = os.path.abspath(os.path.expanduser(path))
     refuse_ray_cache(
         path,

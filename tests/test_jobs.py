@@ -58,11 +58,11 @@ def test_run_dir_goes_under_the_runs_root(tmp_path, monkeypatch):
     # A run named for --resume is looked for where --run-dir put it.
     assert run_dirs.existing("mine") == str(tmp_path / "env_root" / "mine")
     assert run_dirs.existing(tmp_path / "abs") == str(tmp_path / "abs")
-    # Object-store roots join by '/', and are refused until run directories support them.
+    # Object-store roots join by '/' (podray.storage reaches them; tests/test_storage.py).
     assert run_dirs.join("gs://bucket/runs/", "x") == "gs://bucket/runs/x"
     config.run.runs_root = "gs://bucket/runs"
-    with pytest.raises(config_lib.ConfigError, match=r"^run\.runs_root: gs://bucket/runs/a/b is an object-store URI"):
-        run_dirs.resolve(config)
+    assert run_dirs.resolve(config) == "gs://bucket/runs/a/b"
+    assert run_dirs.resolve(config, "s3://other/run/") == "s3://other/run"
 
 
 def test_a_run_dir_in_rays_job_cache_is_refused_before_compiling(tmp_path, monkeypatch, capsys, compile_counter):

@@ -8,7 +8,9 @@ group (fake hosts on one machine, or CPU nodes of a cluster); on a TPU slice it 
 host of a slice reserved with ray.util.tpu.slice_placement_group. When a host worker dies the driver
 stops the whole group (a JAX program cannot lose a process), starts a new one and resumes from the
 latest checkpoint, up to run.max_restarts times, writing each restart to the run log
-(run_dir/run_log.jsonl).
+(run_dir/run_log.jsonl). The run directory may be an object-store URI (podray.storage), which every
+host and this driver open directly; the driver then passes its object-store credentials and endpoint
+variables (storage.STORAGE_ENV) to the host workers.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from podray import config as config_lib
-from podray import validation
+from podray import storage, validation
 from podray.cluster import tpu
 
 
@@ -151,7 +153,13 @@ class HostGroup:
     borrowed: bool = False
 
     @classmethod
-    def place(cls, config: config_lib.Config, timeout_s: float = 120.0, placement: tuple | None = None) -> "HostGroup":
+    def place(
+        cls,
+        config: config_lib.Config,
+        timeout_s: float = 120.0,
+        placement: tuple | None = None,
+        env: dict | None = None,
+    ) -> "HostGroup":
         """Places one host worker per host (without starting JAX in them): `run.hosts` workers of 1 CPU
         each on CPU; on a TPU slice (run.tpu_topology) one worker per TPU host holding that host's
         chips, JAX process i on TPU worker i.
@@ -162,6 +170,8 @@ class HostGroup:
             on TPU they must be the hosts of one slice (podray.cluster.tpu says how to ask for them).
             None: the group reserves its own (a slice with ray.util.tpu.slice_placement_group) and
             releases it on stop().
+          env: environment variables of the workers (added to the Ray job's), e.g. object-store
+            credentials.
         """
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -175,6 +185,8 @@ class HostGroup:
             n, cpu_devices, options = shape.hosts, 0, {"num_cpus": 0, "resources": {"TPU": shape.chips_per_host}}
         else:
             n, cpu_devices, options = r.hosts, r.cpu_devices, {"num_cpus": 1}
+        if env:
+            options["runtime_env"] = {"env_vars": dict(env)}
         if not borrowed:
             if r.tpu_topology:
                 from ray.util.tpu import slice_placement_group
@@ -332,28 +344,26 @@ def _placement_error(what: str, timeout_s: float, fix: str) -> ClusterError:
 # Runs, restarts, replicas
 
 
-def _latest_checkpoint(run_dir: pathlib.Path) -> int | None:
-    """The latest complete orbax step (directory names are steps; unfinished saves carry a suffix)."""
-    steps = [int(p.name) for p in (run_dir / "checkpoints").glob("*") if p.is_dir() and p.name.isdigit()]
+def _latest_checkpoint(run_dir: storage.Path) -> int | None:
+    """The latest complete orbax step (storage.step_dirs)."""
+    steps = storage.step_dirs(run_dir / "checkpoints")
     return max(steps) if steps else None
 
 
-def _last_logged(run_dir: pathlib.Path) -> dict:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return {}
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+def _last_logged(run_dir: storage.Path) -> dict:
+    text = storage.read_text(run_dir / "metrics.jsonl") or ""
+    lines = [line for line in text.splitlines() if line.strip()]
     return json.loads(lines[-1]) if lines else {}
 
 
-def _log_event(run_dir: pathlib.Path, event: dict) -> None:
-    with (run_dir / "run_log.jsonl").open("a") as f:
-        f.write(json.dumps({"time": time.time(), **event}) + "\n")
+def _log_event(run_dir: storage.Path, event: dict) -> None:
+    """Appends an event to run_log.jsonl (written by the driver alone: no other writer to race)."""
+    storage.append_lines(run_dir / "run_log.jsonl", [json.dumps({"time": time.time(), **event})])
 
 
 def _run_group(
     config: config_lib.Config,
-    run_dir: pathlib.Path,
+    run_dir: storage.Path,
     resume: bool,
     tags: dict,
     return_params: bool,
@@ -367,9 +377,11 @@ def _run_group(
     from ray.exceptions import RayActorError
 
     restarts = 0
+    run_dir = storage.run_path(run_dir)
+    env = storage.storage_env() if storage.is_uri(run_dir) else None
     _log_event(run_dir, {"event": "start", "resume": resume, "hosts": config.run.hosts, **tags})
     while True:
-        group = HostGroup.place(config, placement=placement)
+        group = HostGroup.place(config, placement=placement, env=env)
         try:
             group.initialize()
             if on_group is not None:
@@ -430,8 +442,8 @@ def train_on_ray(
     Args:
       config: a validated Config.
       run_dir: the run directory (replicas get run_dir/seed-N); None takes run.run_dir, else a new one
-        under the runs root (podray.run_dirs.resolve).
-        On a multi-node cluster it must be storage every host sees (a shared disk or a bucket).
+        under the runs root (podray.run_dirs.resolve). On a multi-node cluster it must be storage every
+        host sees: an object-store URI (gs://, s3://) or a shared disk.
       resume: continue from the latest checkpoint in run_dir.
       address: Ray address, or None for $RAY_ADDRESS, or else an embedded local Ray (stopped at the end).
       dashboard: start the dashboard with a local Ray and print its URL.
@@ -443,9 +455,10 @@ def train_on_ray(
     """
     from podray import run_dirs
 
-    base = pathlib.Path(run_dirs.resolve(config, run_dir))
+    base = storage.run_path(run_dirs.resolve(config, run_dir))
     pin_driver_jax_to_cpu()
     validation.validate(config)
+    storage.check_run_dir(base, "--run-dir")
     seeds = config.run.seeds
     replicas = []
     for seed in seeds or [config.seed]:
@@ -454,7 +467,7 @@ def train_on_ray(
         replicas.append((c, base / f"seed-{seed}" if seeds else base, {"run": config.name, "replica": str(seed)}))
     if seeds:  # `podray train --resume BASE` then resumes every replica
         base.mkdir(parents=True, exist_ok=True)
-        (base / "config.yaml").write_text(config_lib.dump_yaml(config))
+        storage.write_text(base / "config.yaml", config_lib.dump_yaml(config))
     hosts_needed = len(replicas) * (1 if config.run.tpu_topology else config.run.hosts)
     connection = connect(address, dashboard=dashboard, num_cpus=max(os.cpu_count() or 1, hosts_needed))
     try:

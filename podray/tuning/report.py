@@ -9,12 +9,14 @@ Files in the study directory:
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from podray import storage
 from podray.tuning import spec as spec_lib
 
 
@@ -24,7 +26,7 @@ class Outputs:
 
     table: str
     rows: list[dict]
-    files: list[pathlib.Path] = field(default_factory=list)
+    files: list[storage.Path] = field(default_factory=list)
 
 
 def _dotted_get(data: dict, dotted: str) -> Any:
@@ -116,7 +118,14 @@ def table(spec: spec_lib.StudySpec, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _plot_histories(path: pathlib.Path, spec: spec_lib.StudySpec, rows: list[dict], histories: dict) -> None:
+def _save(fig, path: storage.Path) -> None:
+    """Writes a figure as PNG to `path` (local or on an object store)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    path.write_bytes(buffer.getvalue())
+
+
+def _plot_histories(path: storage.Path, spec: spec_lib.StudySpec, rows: list[dict], histories: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,11 +146,11 @@ def _plot_histories(path: pathlib.Path, spec: spec_lib.StudySpec, rows: list[dic
         ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)
 
 
-def _plot_batch_depth(path: pathlib.Path, spec: spec_lib.StudySpec, rows: list[dict]) -> None:
+def _plot_batch_depth(path: storage.Path, spec: spec_lib.StudySpec, rows: list[dict]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,7 +186,7 @@ def _plot_batch_depth(path: pathlib.Path, spec: spec_lib.StudySpec, rows: list[d
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)
 
 
@@ -185,9 +194,10 @@ def _plain(value: Any) -> Any:
     return None if isinstance(value, float) and math.isnan(value) else value
 
 
-def write_outputs(study_dir: pathlib.Path, spec: spec_lib.StudySpec, grid, wall_s: float) -> Outputs:
-    """Writes trials.csv, trials.json and the two plots into `study_dir`; returns the table and rows."""
-    study_dir = pathlib.Path(study_dir)
+def write_outputs(study_dir: storage.PathLike, spec: spec_lib.StudySpec, grid, wall_s: float) -> Outputs:
+    """Writes trials.csv, trials.json and the two plots into `study_dir` (a local directory or an
+    object-store URI); returns the table and rows."""
+    study_dir = storage.run_path(study_dir)
     rows, histories = collect(spec, grid, study_dir)
     files = [
         study_dir / n
@@ -196,11 +206,12 @@ def write_outputs(study_dir: pathlib.Path, spec: spec_lib.StudySpec, grid, wall_
     columns: list[str] = []
     for row in rows:
         columns += [k for k in row if k not in columns]
-    with files[0].open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: ("" if _plain(v) is None else v) for k, v in row.items()})
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if _plain(v) is None else v) for k, v in row.items()})
+    storage.write_text(files[0], text.getvalue())
     summary = {
         "study": spec.name,
         "study_dir": str(study_dir),
@@ -211,7 +222,7 @@ def write_outputs(study_dir: pathlib.Path, spec: spec_lib.StudySpec, grid, wall_
         "best": {k: _plain(v) for k, v in rows[0].items()} if rows else None,
         "trials": [{k: _plain(v) for k, v in row.items()} for row in rows],
     }
-    files[1].write_text(json.dumps(summary, indent=2) + "\n")
+    storage.write_text(files[1], json.dumps(summary, indent=2) + "\n")
     _plot_histories(files[2], spec, rows, histories)
     _plot_batch_depth(files[3], spec, rows)
     return Outputs(table=table(spec, rows), rows=rows, files=files)

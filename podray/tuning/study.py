@@ -7,19 +7,23 @@ The study directory is Tune's experiment directory; podray adds study.yaml (the 
 --resume reads back), runs/<trial id>/ (each trial's podray run directory) and the outputs of
 podray.tuning.report. The spec was validated before this module is called; here we check only what
 needs the Ray cluster (that some node can hold a trial), still before any trial starts.
+
+The storage may be an object-store URI (gs://bucket/tune_runs, s3://...): Tune keeps its experiment
+state and trial checkpoints there through pyarrow.fs, and the trials' run directories and the study's
+outputs go there through podray.storage.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import pathlib
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import yaml
 
+from podray import storage as storage_lib
 from podray.config import ConfigError
 from podray.tuning import parse
 from podray.tuning import report as report_lib
@@ -40,7 +44,7 @@ class StudyResult:
       wall_s: seconds of this fit (a resumed study counts only its own).
     """
 
-    study_dir: pathlib.Path
+    study_dir: storage_lib.Path
     outputs: report_lib.Outputs
     unfinished: int
     wall_s: float
@@ -132,15 +136,18 @@ def check_cluster(spec: spec_lib.StudySpec) -> None:
     spec_lib.check_cluster(spec, [n for n in ray.nodes() if n.get("Alive")])
 
 
-def _trainable(spec: spec_lib.StudySpec, study_dir: pathlib.Path):
+def _trainable(spec: spec_lib.StudySpec, study_dir: storage_lib.Path):
     from ray import tune
 
+    remote = storage_lib.is_uri(study_dir)
     context = TrialContext(
         base_config=spec.base_config,
         resources=spec.resources,
         checkpoint_every=spec.checkpoint_every,
         runs_dir=str(study_dir / "runs"),
-        compilation_cache=str(study_dir / "jax_cache"),
+        # On an object store: no shared cache (each trial compiles; JAX's cache is a local directory here).
+        compilation_cache="" if remote else str(study_dir / "jax_cache"),
+        storage_env=storage_lib.storage_env() if remote else {},
     )
     return tune.with_resources(tune.with_parameters(run_trial, context=context), resource_request(spec.resources))
 
@@ -158,13 +165,37 @@ def trial_dirname(trial) -> str:
     return trial.trial_id
 
 
+def storage_options(storage: storage_lib.Path) -> dict:
+    """Tune's RunConfig storage arguments for a storage directory: storage_path, and for s3:// on an
+    S3-compatible store (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL set) a pyarrow S3FileSystem with that
+    endpoint and the AWS_* credentials of this process, which Tune pickles to the trials."""
+    text = str(storage)
+    if storage_lib.scheme(text) != "s3":
+        return {"storage_path": text}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if not endpoint:
+        return {"storage_path": text}
+    from pyarrow import fs
+
+    scheme, _, host = endpoint.partition("://")
+    filesystem = fs.S3FileSystem(
+        endpoint_override=host or scheme,
+        scheme=scheme if host else "https",
+        access_key=os.environ.get("AWS_ACCESS_KEY_ID"),
+        secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
+        session_token=os.environ.get("AWS_SESSION_TOKEN"),
+        region=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+    )
+    return {"storage_path": text.split("://", 1)[1], "storage_filesystem": filesystem}
+
+
 def _unfinished(outputs: report_lib.Outputs) -> int:
     return sum(row["status"] == "UNFINISHED" for row in outputs.rows)
 
 
 def run_study(
     spec: spec_lib.StudySpec,
-    storage: str | pathlib.Path = "tune_runs",
+    storage: str | os.PathLike = "tune_runs",
     name: str | None = None,
     address: str | None = None,
     callbacks: Sequence[Any] = (),
@@ -174,7 +205,7 @@ def run_study(
 
     Args:
       spec: from podray.tuning.load_study (validated).
-      storage: the directory holding study directories.
+      storage: the directory holding study directories: a path or an object-store URI.
       name: the study directory's name; default <spec.name>-<time>.
       address: the Ray cluster; None: $RAY_ADDRESS, else a local Ray started here.
       callbacks: extra ray.tune.Callback objects.
@@ -184,19 +215,21 @@ def run_study(
 
     from podray import run_dirs
 
-    storage = pathlib.Path(storage).resolve()
+    storage_lib.check_run_dir(storage, "--storage")
+    storage = storage_lib.run_path(storage)
     name = name or f"{spec.name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     study_dir = storage / name
-    if study_dir.exists():
+    if (study_dir / STUDY_FILE).exists() or (not storage_lib.is_uri(study_dir) and study_dir.exists()):
         raise ConfigError(f"--name: study directory {study_dir} exists; choose another name or --resume it")
-    fix = "give --storage an absolute path on durable storage"
-    run_dirs.refuse_ray_cache(study_dir, "--storage", "study directory", fix)  # a Ray job's working directory
+    if not storage_lib.is_uri(study_dir):
+        fix = "give --storage an absolute path on durable storage"
+        run_dirs.refuse_ray_cache(study_dir, "--storage", "study directory", fix)  # a Ray job's working directory
     print(f"podray: study dir {study_dir}", flush=True)
     started = connect(address)
     try:
         check_cluster(spec)  # raises before the study directory or any trial exists
-        study_dir.mkdir(parents=True)
-        (study_dir / STUDY_FILE).write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
+        study_dir.mkdir(parents=True, exist_ok=True)
+        storage_lib.write_text(study_dir / STUDY_FILE, yaml.safe_dump(spec.to_dict(), sort_keys=False))
         # Tune snapshots the experiment state each time a trial's checkpoints rotate through num_to_keep
         # (so the state never names a deleted one); with a checkpoint per report, keep a few.
         keep = 8
@@ -214,7 +247,7 @@ def run_study(
             ),
             run_config=tune.RunConfig(
                 name=name,
-                storage_path=str(storage),
+                **storage_options(storage),
                 checkpoint_config=tune.CheckpointConfig(num_to_keep=keep),
                 callbacks=list(callbacks),
                 verbose=verbose,
@@ -228,7 +261,7 @@ def run_study(
             ray.shutdown()
 
 
-def _fit_and_report(tuner, study_dir: pathlib.Path, spec: spec_lib.StudySpec) -> StudyResult:
+def _fit_and_report(tuner, study_dir: storage_lib.Path, spec: spec_lib.StudySpec) -> StudyResult:
     """Runs the study and writes its table, CSV/JSON and plots."""
     start = time.perf_counter()
     grid = tuner.fit()
@@ -237,28 +270,35 @@ def _fit_and_report(tuner, study_dir: pathlib.Path, spec: spec_lib.StudySpec) ->
     return StudyResult(study_dir, outputs, _unfinished(outputs), wall)
 
 
-def load_study_dir(study_dir: str | pathlib.Path) -> spec_lib.StudySpec:
-    """The study a study directory was started with (validated again)."""
-    path = pathlib.Path(study_dir) / STUDY_FILE
-    if not path.exists():
+def load_study_dir(study_dir: str | os.PathLike) -> spec_lib.StudySpec:
+    """The study a study directory (local or an object-store URI) was started with (validated again)."""
+    storage_lib.check_run_dir(study_dir, "--resume")
+    path = storage_lib.run_path(study_dir) / STUDY_FILE
+    text = storage_lib.read_text(path)
+    if text is None:
         raise ConfigError(f"--resume {study_dir}: no {STUDY_FILE} there; give the directory of a podray tune study")
-    return parse.from_dict(yaml.safe_load(path.read_text()), source=str(path))
+    return parse.from_dict(yaml.safe_load(text), source=str(path))
 
 
-def resume_study(study_dir: str | pathlib.Path, address: str | None = None) -> StudyResult:
+def resume_study(study_dir: str | os.PathLike, address: str | None = None) -> StudyResult:
     """Resumes an interrupted study (Tuner.restore): unfinished trials continue from their latest
     checkpoints, errored ones are retried from theirs, finished ones are kept."""
     from ray import tune
 
-    study_dir = pathlib.Path(study_dir).resolve()
     spec = load_study_dir(study_dir)
-    if not tune.Tuner.can_restore(str(study_dir)):
+    study_dir = storage_lib.run_path(study_dir)
+    options = storage_options(study_dir)
+    if not tune.Tuner.can_restore(options["storage_path"], storage_filesystem=options.get("storage_filesystem")):
         raise ConfigError(f"--resume {study_dir}: Tune saved no experiment state there; the study never started")
     started = connect(address)
     try:
         check_cluster(spec)
         tuner = tune.Tuner.restore(
-            str(study_dir), trainable=_trainable(spec, study_dir), resume_unfinished=True, resume_errored=True
+            options["storage_path"],
+            trainable=_trainable(spec, study_dir),
+            resume_unfinished=True,
+            resume_errored=True,
+            storage_filesystem=options.get("storage_filesystem"),
         )
         return _fit_and_report(tuner, study_dir, spec)
     finally:

@@ -8,6 +8,8 @@ extra sink, `TuneReportSink`, which turns every metrics row into `tune.report(me
 A Tune checkpoint is a small directory: the orbax checkpoint of one step (podray.checkpoint), the
 trial's config.yaml and checkpoint.json (trial, updates, env steps). Restoring copies the orbax step
 into the run directory and calls train(resume=True), which continues from it, step count included.
+The study's run directories may be on an object store (podray.storage): a Tune checkpoint is then
+staged in a local temporary directory and copied into the store on restore.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import math
 import os
 import pathlib
 import shutil
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import yaml
 
 from podray import config as config_lib
+from podray import storage
 from podray.config import ConfigError
 from podray.tuning import spec as spec_lib
 
@@ -42,6 +46,8 @@ class TrialContext:
       runs_dir: where trials keep their podray run directories (<study>/runs/<trial id>).
       compilation_cache: JAX's persistent compilation cache directory shared by the trials ('' for
         none): a trial resumed with an unchanged config loads its program instead of compiling it.
+      storage_env: object-store variables (storage.STORAGE_ENV) the trials set before touching a study
+        on an object store (a trial's process does not inherit the driver's environment on a cluster).
     """
 
     base_config: dict
@@ -49,6 +55,7 @@ class TrialContext:
     checkpoint_every: int
     runs_dir: str
     compilation_cache: str = ""
+    storage_env: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -67,6 +74,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
 
     from podray import host as host_lib
 
+    os.environ.update(context.storage_env)
     # Before validation: it imports gymnax, which starts JAX's backends (then the count is fixed).
     if context.resources.accelerator == "cpu":
         host_lib.configure_cpu_devices(context.resources.devices)
@@ -80,21 +88,21 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         jax.config.update("jax_compilation_cache_dir", context.compilation_cache)
     trial = spec_lib.trial_config(context.base_config, config, context.resources, context.checkpoint_every)
     trial_id = tune.get_context().get_trial_id()
-    run_dir = pathlib.Path(context.runs_dir) / trial_id
+    run_dir = storage.run_path(context.runs_dir) / trial_id
     checkpoint = tune.get_checkpoint()
     restored = None
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             restored = restore_run_dir(directory, run_dir, trial)
     else:
-        shutil.rmtree(run_dir, ignore_errors=True)  # a restart without a checkpoint starts over
+        storage.rmtree(run_dir)  # a restart without a checkpoint starts over
     run_dir.mkdir(parents=True, exist_ok=True)
     sink = TuneReportSink(run_dir, trial_id, restored_row=restored and restored.get("row"))
     launch(trial, run_dir, resume=checkpoint is not None, sink=sink)
     sink.flush()
 
 
-def launch(config: config_lib.Config, run_dir: pathlib.Path, resume: bool, sink) -> Any:
+def launch(config: config_lib.Config, run_dir: storage.Path, resume: bool, sink) -> Any:
     """Runs a trial's podray run; returns host 0's summary. The seam between Tune and podray.
 
     One host (run.hosts == 1, no TPU slice): podray.training.train in this process (the trial's Ray
@@ -113,7 +121,7 @@ def launch(config: config_lib.Config, run_dir: pathlib.Path, resume: bool, sink)
     return _launch_hosts(config, run_dir, resume, sink)
 
 
-def _launch_hosts(config: config_lib.Config, run_dir: pathlib.Path, resume: bool, sink, poll_s: float = 0.5) -> Any:
+def _launch_hosts(config: config_lib.Config, run_dir: storage.Path, resume: bool, sink, poll_s: float = 0.5) -> Any:
     import threading
 
     from podray.cluster import driver
@@ -134,10 +142,10 @@ def _launch_hosts(config: config_lib.Config, run_dir: pathlib.Path, resume: bool
 
     def forward_new_rows() -> None:
         nonlocal forwarded
-        path = run_dir / "metrics.jsonl"
-        if not path.exists():
+        text = storage.read_text(run_dir / "metrics.jsonl")
+        if text is None:
             return
-        for line in path.read_text().splitlines():
+        for line in text.splitlines():
             if not line.strip() or not line.endswith("}"):
                 continue  # a row being written
             row = json.loads(line)
@@ -173,11 +181,9 @@ def host_placement() -> tuple:
 # Checkpoints: staging one orbax step for Tune, restoring it into a run directory
 
 
-def orbax_steps(directory: pathlib.Path) -> list[int]:
-    """Steps of the finished orbax checkpoints under `directory` (temporary directories excluded)."""
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+def orbax_steps(directory: storage.PathLike) -> list[int]:
+    """Steps of the finished orbax checkpoints under `directory` (unfinished saves excluded)."""
+    return storage.step_dirs(directory)
 
 
 def _link_tree(src: pathlib.Path, dst: pathlib.Path) -> None:
@@ -193,13 +199,18 @@ def _link_tree(src: pathlib.Path, dst: pathlib.Path) -> None:
     shutil.copytree(src, dst, copy_function=link_or_copy)
 
 
-def stage_checkpoint(run_dir: pathlib.Path, step: int, info: dict, into: pathlib.Path) -> pathlib.Path:
-    """Builds the Tune checkpoint directory of `step` in `into`: checkpoints/<step>, config.yaml,
-    checkpoint.json."""
+def stage_checkpoint(run_dir: storage.PathLike, step: int, info: dict, into: pathlib.Path) -> pathlib.Path:
+    """Builds the Tune checkpoint directory of `step` in the local directory `into`: checkpoints/<step>,
+    config.yaml, checkpoint.json (hard links from a local run directory, copies from an object store)."""
+    run_dir = storage.run_path(run_dir)
     shutil.rmtree(into, ignore_errors=True)
     into.mkdir(parents=True)
-    _link_tree(run_dir / "checkpoints" / str(step), into / "checkpoints" / str(step))
-    shutil.copy2(run_dir / "config.yaml", into / "config.yaml")
+    source, target = run_dir / "checkpoints" / str(step), into / "checkpoints" / str(step)
+    if storage.is_uri(run_dir):
+        storage.copy_tree(source, storage.Path(target))
+    else:
+        _link_tree(pathlib.Path(source), target)
+    (into / "config.yaml").write_text((run_dir / "config.yaml").read_text())
     (into / INFO_FILE).write_text(json.dumps(info) + "\n")
     return into
 
@@ -222,7 +233,7 @@ def config_changes(old: config_lib.Config, new: config_lib.Config) -> dict[str, 
     }
 
 
-def restore_run_dir(checkpoint_dir: str | pathlib.Path, run_dir: pathlib.Path, config: config_lib.Config) -> dict:
+def restore_run_dir(checkpoint_dir: str | pathlib.Path, run_dir: storage.PathLike, config: config_lib.Config) -> dict:
     """Makes `run_dir` continue from a Tune checkpoint (this trial's, or another's after a PBT exploit).
 
     The checkpoint's config may differ from `config` only in shape-free fields
@@ -244,10 +255,14 @@ def restore_run_dir(checkpoint_dir: str | pathlib.Path, run_dir: pathlib.Path, c
     steps = orbax_steps(checkpoint_dir / "checkpoints")
     if not steps:
         raise FileNotFoundError(f"Tune checkpoint {checkpoint_dir} holds no orbax checkpoint")
+    run_dir = storage.run_path(run_dir)
     target = run_dir / "checkpoints"
-    shutil.rmtree(target, ignore_errors=True)
+    storage.rmtree(target)
     run_dir.mkdir(parents=True, exist_ok=True)
-    _link_tree(checkpoint_dir / "checkpoints", target)
+    if storage.is_uri(run_dir):
+        storage.copy_tree(storage.Path(checkpoint_dir / "checkpoints"), target)
+    else:
+        _link_tree(checkpoint_dir / "checkpoints", pathlib.Path(target))
     record = {
         "time": time.time(),
         "from_trial": info.get("trial_id"),
@@ -255,17 +270,14 @@ def restore_run_dir(checkpoint_dir: str | pathlib.Path, run_dir: pathlib.Path, c
         "env_steps": info.get("env_steps"),
         "changes": changes,
     }
-    with (run_dir / RESTORES_FILE).open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    storage.append_lines(run_dir / RESTORES_FILE, [json.dumps(record)])
     return {**record, "row": info.get("row")}
 
 
-def read_restores(run_dir: str | pathlib.Path) -> list[dict]:
+def read_restores(run_dir: storage.PathLike) -> list[dict]:
     """The restores of a trial's run directory, oldest first."""
-    path = pathlib.Path(run_dir) / RESTORES_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = storage.read_text(storage.run_path(run_dir) / RESTORES_FILE) or ""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -303,7 +315,7 @@ class TuneReportSink:
         report: Callable | None = None,
         restored_row: Mapping[str, Any] | None = None,
     ):
-        self.run_dir = pathlib.Path(run_dir)
+        self.run_dir = storage.run_path(run_dir)
         self.trial_id = trial_id
         self._report = report
         self._restored_row = dict(restored_row) if restored_row else None
@@ -351,7 +363,11 @@ class TuneReportSink:
         try:
             if step in orbax_steps(self.run_dir / "checkpoints"):
                 info = {"trial_id": self.trial_id, "updates": step, "env_steps": row["env_steps"], "row": row}
-                stage = stage_checkpoint(self.run_dir, step, info, self.run_dir / "tune_stage")
+                # Staged on a local disk: in the run directory (hard links), or a temporary directory
+                # when the run directory is on an object store.
+                remote = storage.is_uri(self.run_dir)
+                into = pathlib.Path(tempfile.mkdtemp(prefix="podray-tune-")) if remote else self.run_dir / "tune_stage"
+                stage = stage_checkpoint(self.run_dir, step, info, pathlib.Path(into))
                 from ray import tune
 
                 report(row, checkpoint=tune.Checkpoint.from_directory(str(stage)))
