@@ -22,6 +22,8 @@ setup(
         "envpool>=0.8",
         "mctx>=0.0.5",
         "orbax-checkpoint>=0.11",
+        "etils[epath]",
+        "fsspec",
         "ray[default,tune]>=2.40",
         "numpy",
         "pyyaml",
@@ -31,7 +33,10 @@ setup(
     extras_require={
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
-        "test": ["pytest>=7", "ruff"],
+        # Run directories on object stores (podray.storage): fsspec filesystems for etils.epath.
+        "gcs": ["gcsfs"],
+        "s3": ["s3fs"],
+        "test": ["pytest>=7", "ruff", "s3fs", "moto[server]>=5"],
     },
     entry_points={"console_scripts": ["podray=podray.cli:entry"]},
 )
