@@ -160,14 +160,16 @@ def append_lines(path: Path, lines: Iterable[str]) -> None:
     path.write_text((read_text(path) or "") + text)
 
 
-def copy_tree(src: Path, dst: Path) -> None:
-    """Copies the files under `src` to `dst` (either may be local or on an object store)."""
+def copy_tree(src: PathLike, dst: PathLike) -> None:
+    """Copies the files under `src` to `dst` (either may be local or on an object store). Walks with
+    iterdir: epath's walk does not run on s3fs."""
     src, dst = epath.Path(src), epath.Path(dst)
-    for root, _, files in src.walk():
-        target = dst / root.relative_to(src)
-        target.mkdir(parents=True, exist_ok=True)
-        for name in files:
-            (root / name).copy(target / name, overwrite=True)
+    dst.mkdir(parents=True, exist_ok=True)
+    for entry in src.iterdir():
+        if entry.is_dir():
+            copy_tree(entry, dst / entry.name)
+        else:
+            entry.copy(dst / entry.name, overwrite=True)
 
 
 def rmtree(path: Path) -> None:
