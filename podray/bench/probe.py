@@ -115,10 +115,11 @@ def probe_run(
     run_dir: str | pathlib.Path, frames: int = 2400, seed: int = 3, step: int | None = None
 ) -> dict[str, Any]:
     """Probes a Sebulba run's checkpoint (`step`, default the latest) and the same network at init."""
+    from podray import storage
     from podray.learners.learner import LearnerState
     from podray.training import load_run_config
 
-    run_dir = pathlib.Path(run_dir)
+    run_dir = storage.run_path(run_dir)  # a local run or one on an object store
     config = load_run_config(run_dir)
     if config.architecture != "sebulba":
         raise config_lib.ConfigError(f"bench probe: {run_dir} is a {config.architecture} run; it probes sebulba runs")
