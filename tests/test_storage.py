@@ -108,6 +108,7 @@ def test_multi_host_run_on_s3_loses_a_host_resumes_and_the_driver_reads_the_summ
             "run.cpu_devices=2",
             "run.progress=false",
             "run.max_restarts=1",
+            "network.width=16",
         ],
     )
     uri = _unique(s3, "pod")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -145,8 +146,11 @@ def _trainable(spec: spec_lib.StudySpec, study_dir: storage_lib.Path):
         resources=spec.resources,
         checkpoint_every=spec.checkpoint_every,
         runs_dir=str(study_dir / "runs"),
-        # On an object store: no shared cache (each trial compiles; JAX's cache is a local directory here).
-        compilation_cache="" if remote else str(study_dir / "jax_cache"),
+        # A study on an object store: a cache on each node's local disk (programs are keyed by their
+        # hash, so studies can share it), so that a trial resumed on the same node skips compiling.
+        compilation_cache=os.path.join(tempfile.gettempdir(), "podray_jax_cache")
+        if remote
+        else str(study_dir / "jax_cache"),
         storage_env=storage_lib.storage_env() if remote else {},
     )
     return tune.with_resources(tune.with_parameters(run_trial, context=context), resource_request(spec.resources))
