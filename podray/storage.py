@@ -235,10 +235,19 @@ def enable_orbax_s3() -> None:
     global _ORBAX_S3
     if _ORBAX_S3:
         return
-    from orbax.checkpoint._src.path import gcs_utils
-    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+    try:
+        from orbax.checkpoint._src.path import gcs_utils
+        from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
-    normalize, use_gcs, gcs_kvstore = ts_utils._normalize_path, ts_utils._use_gcs_driver, gcs_utils.get_kvstore_for_gcs
+        normalize, use_gcs = ts_utils._normalize_path, ts_utils._use_gcs_driver
+        gcs_kvstore = gcs_utils.get_kvstore_for_gcs
+    except (ImportError, AttributeError) as error:
+        import orbax.checkpoint as ocp
+
+        raise RuntimeError(
+            f"s3:// checkpoints: orbax-checkpoint {ocp.__version__} no longer has {error.name or error}, which "
+            "podray.storage.enable_orbax_s3 adapts; use orbax-checkpoint 0.12, or a gs:// or local run directory"
+        ) from error
 
     def normalize_path(path: str) -> str:
         text = os.fspath(path)
