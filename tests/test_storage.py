@@ -94,7 +94,8 @@ def test_bad_object_store_run_dirs_are_one_line_before_compiling(s3, capsys, mon
 def test_multi_host_run_on_s3_loses_a_host_resumes_and_the_driver_reads_the_summary(s3, ray_cluster):
     """Two host workers (2 fake devices each) write checkpoints, logs and TensorBoard events to s3://;
     host 1 is killed after a checkpoint; the group restarts from s3 and finishes; the driver reads
-    run_log.jsonl, metrics.jsonl and summary.json back from the store."""
+    run_log.jsonl, metrics.jsonl and summary.json back from the store; `podray train --resume` of the
+    URI extends the run."""
     upc = 4
     config = config_lib.load(
         None,
@@ -139,7 +140,14 @@ def test_multi_host_run_on_s3_loses_a_host_resumes_and_the_driver_reads_the_summ
     assert [r["updates"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [upc * (i + 1) for i in range(4)]
     assert storage.step_dirs(run_dir / "checkpoints")[-1] == 4 * upc
     assert any(p.name.startswith("events.out.tfevents") for p in (run_dir / "tensorboard").iterdir())
-    assert load_run_config(uri) == config  # what `podray train --resume s3://...` reads
+    assert load_run_config(uri) == config
+
+    # `podray train --resume s3://...` with a larger budget continues from the last s3 checkpoint.
+    more = 8 * 16 * upc * 5
+    assert cli.main(["train", "--resume", uri, "--set", f"total_env_steps={more}"]) == 0
+    assert read_summary(uri)["env_steps"] == more
+    assert [r["updates"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [upc * (i + 1) for i in range(5)]
+    assert [e["event"] for e in read_jsonl(run_dir / "run_log.jsonl")][-2:] == ["start", "finish"]
 
 
 class _InterruptOnce(tune.Callback):
