@@ -86,11 +86,6 @@ def run_path(path: PathLike) -> Path:
     return epath.Path(pathlib.Path(text).resolve())
 
 
-def display(path: PathLike) -> str:
-    """`path` as a user types it: a URI with its scheme (gs://bucket/x), a local path as is."""
-    return os.fspath(path)
-
-
 def storage_env() -> dict[str, str]:
     """The object-store client variables (STORAGE_ENV) set in this process."""
     return {k: os.environ[k] for k in STORAGE_ENV if os.environ.get(k)}

@@ -200,3 +200,25 @@ def test_tune_study_on_s3_is_interrupted_resumed_and_read_back(s3, ray_cluster, 
         assert read_summary(row["run_dir"])["env_steps"] == 2048
         for record in trainable.read_restores(row["run_dir"]):
             assert record["from_trial"] == row["trial"]
+
+
+def test_orbax_gets_tensorstores_s3_driver_for_s3_and_keeps_its_own_choice_elsewhere(monkeypatch, tmp_path):
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    storage.enable_orbax_s3()
+    s3 = ts_utils.build_kvstore_tspec("s3://bucket/run/checkpoints/4/state", use_ocdbt=True)["base"]
+    assert s3 == {
+        "driver": "s3",
+        "bucket": "bucket",
+        "path": "run/checkpoints/4/state",
+        "endpoint": "http://127.0.0.1:9000",
+        "aws_region": "eu-west-1",
+        "aws_credentials": {"type": "environment"},
+    }
+    gs = ts_utils.build_kvstore_tspec("gs://bucket/run/checkpoints/4/state", use_ocdbt=True)["base"]
+    assert gs["driver"] == "gcs" and gs["bucket"] == "bucket"
+    local = ts_utils.build_kvstore_tspec(str(tmp_path / "state"), use_ocdbt=False)
+    assert local == {"driver": "file", "path": str(tmp_path / "state")}
