@@ -75,6 +75,27 @@ def test_metrics_files_on_the_store_are_rewritten_whole_and_truncated_on_resume(
     assert [(r["step"], r["mean_return"]) for r in read_jsonl(path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
 
 
+def test_a_save_cut_short_on_the_store_is_never_listed_and_is_written_again(s3):
+    import jax.numpy as jnp
+
+    from podray.checkpoint import Checkpointer
+
+    directory = f"{_unique(s3, 'ckpt')}/checkpoints"
+    checkpointer = Checkpointer(directory)
+    checkpointer.save(4, {"w": jnp.arange(4.0)}, {"updates": 4})
+    checkpointer.close()
+    partial = storage.run_path(directory) / "8" / "state"  # a host died while writing step 8
+    partial.mkdir(parents=True, exist_ok=True)
+    (partial / "manifest.ocdbt").write_text("cut short")
+    checkpointer = Checkpointer(directory)
+    assert checkpointer.latest_step() == 4 and storage.step_dirs(directory) == [4]
+    assert checkpointer.restore({"w": jnp.zeros(4)})[1] == {"updates": 4}
+    checkpointer.save(8, {"w": jnp.arange(4.0) * 2}, {"updates": 8})  # the resumed run reaches step 8
+    assert storage.step_dirs(directory) == [4, 8]
+    state, meta = checkpointer.restore({"w": jnp.zeros(4)})
+    assert meta == {"updates": 8} and state["w"].tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
 def test_bad_object_store_run_dirs_are_one_line_before_compiling(s3, capsys, monkeypatch, compile_counter):
     assert cli.main(["train", "--in-process", "--run-dir", "s3://no-such-bucket-podray/run"]) == 2
     err = capsys.readouterr().err.strip()
