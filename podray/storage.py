@@ -111,18 +111,39 @@ def check_run_dir(path: PathLike, what: str = "--run-dir") -> None:
     if not bucket:
         raise ConfigError(f"{what} {text}: no bucket in the URI; write {kind}://BUCKET/PATH")
     try:
-        exists = epath.Path(f"{kind}://{bucket}").exists()
-    except Exception as error:  # credentials refused, endpoint unreachable, ...
-        reason = " ".join(str(error).split()) or type(error).__name__
+        _probe_filesystem(kind).ls(bucket, detail=False)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {text}: bucket {bucket} does not exist; create it or give another") from None
+    except PermissionError as error:
         raise ConfigError(
-            f"{what} {text}: cannot reach bucket {bucket} ({type(error).__name__}: {reason[:200]}); "
-            f"check the credentials and endpoint (docs/operations.md, Run directories)"
+            f"{what} {text}: the store refused these credentials for bucket {bucket} ({_one_line(error)}); "
+            "check them (docs/operations.md, Run directories)"
         ) from None
-    if not exists:
+    except Exception as error:  # endpoint unreachable, no credentials found, ...
         raise ConfigError(
-            f"{what} {text}: bucket {bucket} does not exist or these credentials cannot see it; "
-            "create it or give another"
+            f"{what} {text}: cannot reach bucket {bucket} ({type(error).__name__}: {_one_line(error)}); "
+            "check the credentials and endpoint (docs/operations.md, Run directories)"
+        ) from None
+
+
+def _probe_filesystem(kind: str):
+    """A filesystem for one quick question (does the bucket answer?): few retries, short timeouts, so
+    that an unreachable endpoint is reported in seconds rather than after the clients' backoff."""
+    import fsspec
+
+    if kind == "s3":
+        fs = fsspec.filesystem(
+            "s3",
+            skip_instance_cache=True,
+            config_kwargs={"retries": {"max_attempts": 2}, "connect_timeout": 10, "read_timeout": 20},
         )
+        fs.retries = 1  # s3fs's own retry loop around botocore's
+        return fs
+    return fsspec.filesystem(kind, skip_instance_cache=True)
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())[:200] or type(error).__name__
 
 
 def write_text(path: Path, text: str) -> None:

@@ -109,6 +109,13 @@ def test_bad_object_store_run_dirs_are_one_line_before_compiling(s3, capsys, mon
     assert "gs://bucket/run: gs:// needs the gcsfs package" in err and "pip install 'podray[gcs]'" in err
     assert cli.main(["tune", "tune_configs/anakin_cartpole_batch_depth.yaml", "--storage", "ftp://x/y"]) == 2
     assert "unknown storage scheme 'ftp://'" in capsys.readouterr().err
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed}")
+    assert cli.main(["train", "--in-process", "--run-dir", f"{s3}/run"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot reach bucket {BUCKET} (EndpointConnectionError" in err and err.count("\n") == 1
     assert compile_counter == []
 
 
