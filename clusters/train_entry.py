@@ -1,6 +1,6 @@
 """Entry script for a podray run on a Ray cluster; works with both launchers (docs/operations.md):
 
-  ray submit clusters/tpu-v4-32.yaml clusters/train_entry.py -- --set run.runs_root=/mnt/shared/podray-runs [ARGS]
+  ray submit clusters/tpu-v4-32.yaml clusters/train_entry.py -- --set run.runs_root=gs://BUCKET/podray-runs [ARGS]
   ray job submit --working-dir . -- python clusters/train_entry.py --set run.runs_root=/durable/runs [ARGS]
 
 It is `podray train ARGS` connected to the cluster this script runs in: the address Ray job
