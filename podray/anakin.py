@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from podray import config as config_lib
-from podray.agents import TrainState, Trajectory, make_agent
+from podray.agents import TrainState, Trajectory, build_agent
 from podray.envs.jax_envs import EnvState, JaxEnv
 from podray.host import DEVICE_AXIS, HostContext, check_devices, compiler_options
 from podray.program import Summary
@@ -72,7 +72,7 @@ class AnakinProgram:
     Args:
       config: a validated Config.
       mesh: a 1-D mesh whose axis is named `podray.host.DEVICE_AXIS`.
-      agent: the agent to run (default: make_agent from the config); the same object runs under Sebulba.
+      agent: the agent to run (default: build_agent from the config); the same object runs under Sebulba.
     """
 
     def __init__(self, config: config_lib.Config, mesh: jax.sharding.Mesh, agent=None):
@@ -88,8 +88,10 @@ class AnakinProgram:
         updates = math.ceil(config.total_env_steps / self.steps_per_update)
         self.num_calls = math.ceil(updates / k.updates_per_call)
         self.num_updates = self.num_calls * k.updates_per_call
-        self.agent = agent or make_agent(config.agent, config.network, self.env.spec, self.num_updates)
-        self._state_spec = RunnerState(train=P(), env=P(None, DEVICE_AXIS), obs=P(None, DEVICE_AXIS), key=P())
+        self.agent = agent or build_agent(config, self.env.spec, self.num_updates, mesh.size)
+        # The agent says which parts of its state are per-device shards (a replay) rather than replicated.
+        train_spec = self.agent.state_partition(P(), P(None, DEVICE_AXIS))
+        self._state_spec = RunnerState(train=train_spec, env=P(None, DEVICE_AXIS), obs=P(None, DEVICE_AXIS), key=P())
         # check_vma=False: rlax's scans start from unannotated constants; replication of the
         # parameters holds because every gradient is averaged over the device axis.
         shard = lambda f, in_specs, out_specs: jax.shard_map(  # noqa: E731

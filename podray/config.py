@@ -88,7 +88,8 @@ class NetworkConfig:
 @dataclass
 class AgentConfig:
     name: str = "ppo"
-    """Agent: 'ppo' (clipped surrogate, GAE) or 'impala' (V-trace actor-critic)."""
+    """Agent: 'ppo' (clipped surrogate, GAE), 'impala' (V-trace actor-critic) or 'muzero' (a learned
+    model searched with mctx, trained from a replay; sections search: and replay:)."""
     learning_rate: float = 2.5e-4
     """Optimizer learning rate (peak value when anneal_lr is set)."""
     anneal_lr: bool = True
@@ -135,6 +136,69 @@ class AgentConfig:
     surrogate -min(rho A, clip(rho, 1 - eps, 1 + eps) A) with rho = pi / mu against the behaviour
     policy, A the V-trace advantage q_s - V(x_s) and eps this value; clip_pg_rho_threshold is then
     unused. 0 keeps IMPALA's policy gradient min(rho, clip_pg_rho_threshold) A log pi."""
+    unroll_steps: int = 5
+    """K, the steps the learned model is unrolled from each sampled state in the loss (muzero)."""
+    td_steps: int = 10
+    """n of the n-step value targets, bootstrapped from the search's root values (muzero)."""
+    support_size: int = 10
+    """Value and reward heads are categorical over the 2 * support_size + 1 integers of
+    [-support_size, support_size] in h(x) space (h the invertible transform of Pohlen et al.; muzero)."""
+    dynamics_blocks: int = 1
+    """Residual blocks of the latent dynamics (muzero); the representation uses network.depth/width."""
+    reward_coef: float = 1.0
+    """Weight of the reward loss (muzero); value_coef weights the value loss, the policy loss has 1."""
+
+
+@dataclass
+class SearchConfig:
+    policy: str = "gumbel"
+    """Search policy (MuZero agents): 'muzero' (PUCT, Dirichlet noise at the root, actions sampled
+    from the visit counts with a temperature) or 'gumbel' (Gumbel MuZero: sequential halving at the
+    root, which improves the policy even with few simulations)."""
+    num_simulations: int = 16
+    """Simulations per search (one network step each)."""
+    max_depth: int = 0
+    """Deepest a simulation may go below the root; 0 means no limit but num_simulations."""
+    dirichlet_alpha: float = 0.25
+    """Concentration of the Dirichlet noise added to the root prior (muzero policy)."""
+    dirichlet_fraction: float = 0.25
+    """Weight of that noise in the root prior, in [0, 1] (muzero policy)."""
+    temperature: float = 1.0
+    """Temperature of acting on the root's visit counts (muzero policy); 0 is greedy."""
+    temperature_decay: list[float] = field(default_factory=list)
+    """Fractions of the run's updates at which the temperature halves, increasing, in (0, 1)
+    (MuZero's Atari schedule is [0.5, 0.75]: 1, 0.5, 0.25); empty keeps it constant."""
+    gumbel_scale: float = 1.0
+    """Scale of the Gumbel noise at the root (gumbel policy); 0 searches deterministically."""
+    max_num_considered_actions: int = 16
+    """Actions sequential halving starts from at the root (gumbel policy); at most the action count."""
+    pb_c_init: float = 1.25
+    """c1 of the PUCT rule (muzero policy)."""
+    pb_c_base: float = 19652.0
+    """c2 of the PUCT rule (muzero policy)."""
+    value_normalization: str = "tree"
+    """How Q-values are scaled to [0, 1] in PUCT (muzero policy): 'tree' (min-max over every visited
+    edge of the tree, MuZero's MinMaxStats) or 'siblings' (over the node's value and its children's,
+    mctx's default). The gumbel policy always rescales its completed Q-values by their min-max."""
+
+
+@dataclass
+class ReplayConfig:
+    capacity: int = 100_000
+    """Transitions the replay holds, summed over learner devices (each device holds its share)."""
+    min_size: int = 1_000
+    """Transitions in the replay (summed over devices) before gradient steps begin."""
+    batch_size: int = 256
+    """Transitions per gradient step, summed over learner devices."""
+    replay_ratio: float = 1.0
+    """Sampled transitions per new transition: an update with N new transitions takes
+    round(replay_ratio * N / batch_size) gradient steps (at least 1)."""
+    sampling: str = "uniform"
+    """'uniform' or 'prioritized' (priorities |value prediction - n-step target|, Schaul et al.)."""
+    priority_exponent: float = 0.6
+    """alpha of prioritised sampling: P(i) is proportional to priority_i ** alpha."""
+    importance_exponent: float = 0.4
+    """beta of the importance weights (N P(i)) ** -beta of prioritised sampling."""
 
 
 @dataclass
@@ -225,6 +289,8 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
     anakin: AnakinConfig = field(default_factory=AnakinConfig)
     sebulba: SebulbaConfig = field(default_factory=SebulbaConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -234,11 +300,11 @@ class Config:
 
 
 ARCHITECTURES = ("anakin", "sebulba")
-AGENTS = ("ppo", "impala")
+AGENTS = ("ppo", "impala", "muzero")
 TORSOS = ("mlp", "nature_cnn", "impala_resnet")
 ACTIVATIONS = ("tanh", "relu")
 OPTIMIZERS = ("adam", "rmsprop", "rmsprop_torch")
-SGD_DEFAULTS = {"ppo": (4, 4), "impala": (1, 1)}
+SGD_DEFAULTS = {"ppo": (4, 4), "impala": (1, 1), "muzero": (1, 1)}
 """(epochs, num_minibatches) of each agent where the config leaves them at 0."""
 
 
@@ -508,6 +574,8 @@ def validate(config: Config) -> None:
     for name in ("value_coef", "entropy_coef"):
         if getattr(a, name) < 0:
             raise ConfigError(f"agent.{name}: must be >= 0, got {getattr(a, name)}")
+    if a.name == "muzero":
+        _validate_muzero(config)
     k = config.anakin
     _positive("anakin.rollout_length", k.rollout_length)
     _positive("anakin.updates_per_call", k.updates_per_call)
@@ -541,6 +609,68 @@ def validate(config: Config) -> None:
         _validate_sebulba(config)
     if r.devices and r.cpu_devices and max(r.devices) >= r.cpu_devices:
         raise ConfigError(f"run.devices: index {max(r.devices)} is out of range for run.cpu_devices={r.cpu_devices}")
+
+
+def _validate_muzero(config: Config) -> None:
+    """The MuZero agent's fields and the search: and replay: sections (pure field checks)."""
+    a, s, r = config.agent, config.search, config.replay
+    if a.unroll_steps < 1:
+        raise ConfigError(f"agent.unroll_steps: K must be >= 1 (MuZero unrolls its model K steps), got {a.unroll_steps}")
+    _positive("agent.td_steps", a.td_steps)
+    _positive("agent.support_size", a.support_size)
+    if a.dynamics_blocks < 0:
+        raise ConfigError(f"agent.dynamics_blocks: must be >= 0, got {a.dynamics_blocks}")
+    if a.reward_coef < 0:
+        raise ConfigError(f"agent.reward_coef: must be >= 0, got {a.reward_coef}")
+    if a.epochs > 1 or a.num_minibatches > 1:
+        raise ConfigError(
+            "agent.epochs / agent.num_minibatches: muzero takes its gradient steps from the replay "
+            "(replay.replay_ratio, replay.batch_size); leave them at 0"
+        )
+    _choice("search.policy", s.policy, ("muzero", "gumbel"))
+    if s.num_simulations < 1:
+        raise ConfigError(f"search.num_simulations: must be >= 1, got {s.num_simulations}")
+    if s.max_depth < 0:
+        raise ConfigError(f"search.max_depth: must be >= 0 (0 means no limit), got {s.max_depth}")
+    _positive("search.dirichlet_alpha", s.dirichlet_alpha)
+    if not 0.0 <= s.dirichlet_fraction <= 1.0:
+        raise ConfigError(f"search.dirichlet_fraction: must be in [0, 1], got {s.dirichlet_fraction}")
+    if s.temperature < 0:
+        raise ConfigError(f"search.temperature: must be >= 0 (0 acts greedily on the visit counts), got {s.temperature}")
+    decay = s.temperature_decay
+    if any(not 0.0 < b < 1.0 for b in decay) or any(x >= y for x, y in zip(decay, decay[1:])):
+        raise ConfigError(
+            f"search.temperature_decay: fractions of the run must increase within (0, 1), e.g. [0.5, 0.75]; got {decay}"
+        )
+    if s.gumbel_scale < 0:
+        raise ConfigError(f"search.gumbel_scale: must be >= 0, got {s.gumbel_scale}")
+    if s.max_num_considered_actions < 1:
+        raise ConfigError(f"search.max_num_considered_actions: must be >= 1, got {s.max_num_considered_actions}")
+    _positive("search.pb_c_init", s.pb_c_init)
+    _positive("search.pb_c_base", s.pb_c_base)
+    _choice("search.value_normalization", s.value_normalization, ("tree", "siblings"))
+    _positive("replay.capacity", r.capacity)
+    _positive("replay.batch_size", r.batch_size)
+    if r.replay_ratio <= 0:
+        raise ConfigError(f"replay.replay_ratio: must be > 0 (sampled transitions per new one), got {r.replay_ratio}")
+    if not 0 <= r.min_size <= r.capacity:
+        raise ConfigError(f"replay.min_size: must be in [0, replay.capacity={r.capacity}], got {r.min_size}")
+    _choice("replay.sampling", r.sampling, ("uniform", "prioritized"))
+    if r.priority_exponent < 0:
+        raise ConfigError(f"replay.priority_exponent: must be >= 0, got {r.priority_exponent}")
+    if not 0.0 <= r.importance_exponent <= 1.0:
+        raise ConfigError(f"replay.importance_exponent: must be in [0, 1], got {r.importance_exponent}")
+
+
+def check_num_actions(config: Config, num_actions: int) -> None:
+    """The search fields that need the environment's action count (still before any compilation)."""
+    if config.agent.name == "muzero" and config.search.policy == "gumbel":
+        m = config.search.max_num_considered_actions
+        if m > num_actions:
+            raise ConfigError(
+                f"search.max_num_considered_actions: {m} is more than the {num_actions} actions of "
+                f"{config.env.name}; use at most {num_actions}"
+            )
 
 
 def _check_tpu_slice(topology: str, version: str) -> None:

@@ -125,6 +125,15 @@ class Agent:
         params = self.network.init(key, dummy)
         return TrainState(params=params, opt_state=self.optimizer.init(params), updates=jnp.zeros((), jnp.int32))
 
+    def state_partition(self, replicated: Any, sharded: Any) -> Any:
+        """How the architectures lay this agent's TrainState over the devices that share an update: a
+        pytree prefix of the state whose leaves are `replicated` (the same on every device: parameters,
+        optimizer state) or `sharded` (one shard per device along the leaves' leading axis, e.g. a
+        replay buffer). The architecture passes the PartitionSpecs of its mesh. Actor-critics keep
+        everything replicated."""
+        del sharded
+        return replicated
+
     def apply(self, params: Any, obs: chex.Array) -> ActorCriticOutput:
         return self.network.apply(params, obs)
 

@@ -1,0 +1,95 @@
+"""MuZero's three networks in flax: representation, dynamics and prediction (Schrittwieser et al., 2020).
+
+- representation h(obs) -> latent: the torso of `network.torso` (MLP for vectors, Nature-CNN or
+  IMPALA-ResNet for pixels, the same modules as the actor-critics) and a dense layer to the latent.
+- dynamics g(latent, action) -> (next latent, reward logits): the action one-hot encoded beside the
+  latent, a dense layer, then `dynamics_blocks` residual blocks.
+- prediction f(latent) -> (policy logits, value logits).
+Latents are min-max scaled to [0, 1] per state, as in MuZero, so that the dynamics sees inputs of one
+scale whatever the unroll depth. Value and reward heads are categorical over `num_bins` bins (the
+agent maps them to scalars with rlax's two-hot and h(x) pair).
+"""
+
+from __future__ import annotations
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from podray.agents.networks import _as_float, _dense, _in_chunks, chunk_rows, make_torso
+from podray.config import NetworkConfig
+
+
+def scale_latent(x: chex.Array, eps: float = 1e-5) -> chex.Array:
+    """Min-max scaling of latents [..., L] to [0, 1] over their features (MuZero, Appendix G)."""
+    low = jnp.min(x, axis=-1, keepdims=True)
+    high = jnp.max(x, axis=-1, keepdims=True)
+    return (x - low) / (high - low + eps)
+
+
+class _ResidualDense(nn.Module):
+    """x + dense(relu(norm(dense(relu(norm(x)))))): a pre-activation residual block on vectors."""
+
+    width: int
+
+    @nn.compact
+    def __call__(self, x: chex.Array) -> chex.Array:
+        y = _dense(self.width)(nn.relu(nn.LayerNorm()(x)))
+        y = _dense(self.width)(nn.relu(nn.LayerNorm()(y)))
+        return x + y
+
+
+class MuZeroNetwork(nn.Module):
+    """Representation, dynamics and prediction of one MuZero model.
+
+    Attributes:
+      config: the torso's shape; `width` is also the latent size and the heads' hidden width.
+      num_actions: A.
+      num_bins: bins of the categorical value and reward heads.
+      obs_rank: rank of one observation (the MLP flattens that many trailing axes).
+      dynamics_blocks: residual blocks of the dynamics.
+    """
+
+    config: NetworkConfig
+    num_actions: int
+    num_bins: int
+    obs_rank: int = 1
+    dynamics_blocks: int = 1
+
+    def setup(self):
+        width = self.config.width
+        self.torso = make_torso(self.config, self.obs_rank)
+        self.to_latent = _dense(width)
+        self.dynamics_in = _dense(width)
+        self.dynamics_blocks_ = [_ResidualDense(width) for _ in range(self.dynamics_blocks)]
+        self.reward_hidden = _dense(width)
+        self.reward_out = nn.Dense(self.num_bins, kernel_init=nn.initializers.zeros)
+        self.prediction_hidden = _dense(width)
+        self.policy_out = _dense(self.num_actions, scale=0.01)
+        self.value_out = nn.Dense(self.num_bins, kernel_init=nn.initializers.zeros)
+
+    def represent(self, obs: chex.Array) -> chex.Array:
+        """Latents [..., width] of observations [..., *obs_shape]."""
+        features = _in_chunks(lambda o: self.torso(_as_float(o)), obs, self.obs_rank, chunk_rows(self.config))
+        return scale_latent(self.to_latent(features))
+
+    def dynamics(self, latent: chex.Array, action: chex.Array) -> tuple[chex.Array, chex.Array]:
+        """(next latents [..., width], reward logits [..., num_bins]) for latents and int actions [...]."""
+        x = jnp.concatenate([latent, jax.nn.one_hot(action, self.num_actions, dtype=latent.dtype)], axis=-1)
+        x = nn.relu(self.dynamics_in(x))
+        for block in self.dynamics_blocks_:
+            x = block(x)
+        reward_logits = self.reward_out(nn.relu(self.reward_hidden(x)))
+        return scale_latent(x), reward_logits
+
+    def predict(self, latent: chex.Array) -> tuple[chex.Array, chex.Array]:
+        """(policy logits [..., A], value logits [..., num_bins]) at latents [..., width]."""
+        x = nn.relu(self.prediction_hidden(latent))
+        return self.policy_out(x), self.value_out(x)
+
+    def __call__(self, obs: chex.Array, action: chex.Array):
+        """All three networks once (what `init` traces): obs [B, ...], action [B]."""
+        latent = self.represent(obs)
+        next_latent, reward_logits = self.dynamics(latent, action)
+        return self.predict(latent), self.predict(next_latent), reward_logits

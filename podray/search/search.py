@@ -1,0 +1,208 @@
+"""Batched search over a learned model with mctx: MuZero's PUCT search or Gumbel MuZero.
+
+The user supplies a `Model` (two pure functions of the parameters: the root and a recurrent step in
+latent space); `make_search` returns one function (params, obs, key) -> SearchOutput that searches
+for every observation of a batch at once, inside jit, with no Python in the loop. The tree lives in
+mctx's arrays ([B, num_simulations + 1, ...]); nothing here is C++ or host code.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import chex
+import jax.numpy as jnp
+import mctx
+
+from podray.config import SearchConfig
+
+
+class ModelOutput(NamedTuple):
+    """What the model predicts at a latent state.
+
+    Attributes:
+      latent: [B, ...] the latent state.
+      prior_logits: [B, A] policy logits.
+      value: [B] scalar value estimate.
+      reward: [B] scalar reward of the transition into this state (0 at the root).
+    """
+
+    latent: chex.Array
+    prior_logits: chex.Array
+    value: chex.Array
+    reward: chex.Array
+
+
+class Model(NamedTuple):
+    """A learned model, as two pure functions of the parameters.
+
+    Attributes:
+      root: (params, obs [B, *obs_shape]) -> ModelOutput at the observed states.
+      recurrent: (params, latent [B, ...], action [B] int32) -> ModelOutput of the next latent states.
+      discount: gamma, the discount of one step inside the tree.
+    """
+
+    root: Callable[[Any, chex.Array], ModelOutput]
+    recurrent: Callable[[Any, chex.Array, chex.Array], ModelOutput]
+    discount: float
+
+
+@chex.dataclass(frozen=True)
+class SearchOutput:
+    """What one search over a batch returns.
+
+    Attributes:
+      action: [B] int32, the action to take (never an invalid one).
+      policy: [B, A] the search policy (sums to 1; the policy target of the loss). MuZero: the root's
+        visit counts normalised; Gumbel: softmax(prior logits + completed Q-values).
+      root_value: [B] the search's value of the root (mean of the backed-up values).
+      prior_logits: [B, A] the network's policy logits at the root.
+    """
+
+    action: chex.Array
+    policy: chex.Array
+    root_value: chex.Array
+    prior_logits: chex.Array
+
+
+POLICIES = ("muzero", "gumbel")
+VALUE_NORMALIZATIONS = ("tree", "siblings")
+
+
+def qtransform_by_tree_min_max(tree: mctx.Tree, node_index: chex.Numeric, *, epsilon: float = 1e-8) -> chex.Array:
+    """Q-values of a node's children normalised to [0, 1] by the minimum and maximum over the tree.
+
+    MuZero's MinMaxStats (Schrittwieser et al., 2020, Appendix B): the bounds are those of every
+    visited edge's Q-value r + gamma * V in the whole tree, not only of the node's siblings. Unvisited
+    children score 0, as in MuZero's pseudocode.
+
+    Args:
+      tree: an unbatched mctx tree (mctx vmaps its qtransform over the batch).
+      node_index: scalar index of the parent node.
+      epsilon: the smallest denominator (a tree whose visited Q-values are all equal).
+    Returns:
+      [num_actions] normalised Q-values.
+    """
+    visited = tree.children_visits > 0  # [N, A]
+    all_q = tree.children_rewards + tree.children_discounts * tree.children_values
+    low = jnp.min(jnp.where(visited, all_q, jnp.inf))
+    high = jnp.max(jnp.where(visited, all_q, -jnp.inf))
+    any_visit = jnp.any(visited)
+    low, high = jnp.where(any_visit, low, 0.0), jnp.where(any_visit, high, 0.0)
+    q = tree.qvalues(node_index)
+    child_visited = tree.children_visits[node_index] > 0
+    normalized = (q - low) / jnp.maximum(high - low, epsilon)
+    return jnp.where(child_visited, jnp.clip(normalized, 0.0, 1.0), 0.0)
+
+
+def temperature_at(config: SearchConfig, progress: chex.Array) -> chex.Array:
+    """The acting temperature at `progress` (the fraction of the run's updates done, in [0, 1]): it
+    halves at each fraction listed in `config.temperature_decay` (MuZero's Atari schedule: [0.5, 0.75]
+    gives 1, 0.5, 0.25)."""
+    temperature = jnp.float32(config.temperature)
+    for boundary in config.temperature_decay:
+        temperature = jnp.where(progress >= boundary, 0.5 * temperature, temperature)
+    return temperature
+
+
+def make_search(config: SearchConfig, model: Model, num_actions: int):
+    """Builds the batched search of `config` over `model`.
+
+    Args:
+      config: the `search:` section (already validated).
+      model: the learned model to search over.
+      num_actions: A, the size of the discrete action space.
+    Returns:
+      search(params, obs [B, *obs_shape], key, temperature=config.temperature, invalid_actions=None)
+      -> SearchOutput. The key is consumed; `temperature` (a scalar, may be traced) only affects the
+      MuZero policy's action sampling; `invalid_actions` is [B, A] bool, True where not allowed.
+    """
+    max_depth = config.max_depth or None
+
+    def recurrent_fn(params, rng_key, action, latent):
+        del rng_key  # the model is deterministic
+        out = model.recurrent(params, latent, action)
+        step = mctx.RecurrentFnOutput(
+            reward=out.reward,
+            discount=jnp.full_like(out.reward, model.discount),
+            prior_logits=out.prior_logits,
+            value=out.value,
+        )
+        return step, out.latent
+
+    if config.value_normalization == "tree":
+        qtransform = qtransform_by_tree_min_max
+    else:
+        qtransform = mctx.qtransform_by_parent_and_siblings
+
+    def search(
+        params: Any,
+        obs: chex.Array,
+        key: chex.PRNGKey,
+        temperature: chex.Numeric | None = None,
+        invalid_actions: chex.Array | None = None,
+    ) -> SearchOutput:
+        root_out = model.root(params, obs)
+        root = mctx.RootFnOutput(prior_logits=root_out.prior_logits, value=root_out.value, embedding=root_out.latent)
+        if config.policy == "gumbel":
+            out = mctx.gumbel_muzero_policy(
+                params,
+                key,
+                root,
+                recurrent_fn,
+                num_simulations=config.num_simulations,
+                invalid_actions=invalid_actions,
+                max_depth=max_depth,
+                qtransform=functools.partial(mctx.qtransform_completed_by_mix_value, rescale_values=True),
+                max_num_considered_actions=min(config.max_num_considered_actions, num_actions),
+                gumbel_scale=config.gumbel_scale,
+            )
+        else:
+            out = mctx.muzero_policy(
+                params,
+                key,
+                root,
+                recurrent_fn,
+                num_simulations=config.num_simulations,
+                invalid_actions=invalid_actions,
+                max_depth=max_depth,
+                qtransform=qtransform,
+                dirichlet_fraction=config.dirichlet_fraction,
+                dirichlet_alpha=config.dirichlet_alpha,
+                pb_c_init=config.pb_c_init,
+                pb_c_base=config.pb_c_base,
+                temperature=config.temperature if temperature is None else temperature,
+            )
+        policy = out.action_weights
+        if invalid_actions is not None:
+            # mctx already gives invalid actions no visits (MuZero) or zero weight (Gumbel); this keeps
+            # the policy exactly 0 there and renormalises away the float dust.
+            policy = jnp.where(invalid_actions, 0.0, policy)
+            policy = policy / jnp.sum(policy, axis=-1, keepdims=True)
+        return SearchOutput(
+            action=out.action.astype(jnp.int32),
+            policy=policy,
+            root_value=out.search_tree.summary().value,
+            prior_logits=root_out.prior_logits,
+        )
+
+    return search
+
+
+def policy_entropy(policy: chex.Array) -> chex.Array:
+    """Entropy [...] of probability vectors [..., A] (0 * log 0 taken as 0)."""
+    return -jnp.sum(jnp.where(policy > 0, policy * jnp.log(jnp.where(policy > 0, policy, 1.0)), 0.0), axis=-1)
+
+
+__all__ = [
+    "Model",
+    "ModelOutput",
+    "POLICIES",
+    "SearchOutput",
+    "VALUE_NORMALIZATIONS",
+    "make_search",
+    "policy_entropy",
+    "qtransform_by_tree_min_max",
+    "temperature_at",
+]
