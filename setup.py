@@ -21,6 +21,7 @@ setup(
         "gymnax>=0.0.8",
         "envpool>=0.8",
         "mctx>=0.0.5",
+        "flashbax>=0.1.2",
         "orbax-checkpoint>=0.11",
         "etils[epath]",
         "fsspec",

@@ -47,7 +47,7 @@ from jax.sharding import Mesh
 from podray import config as config_lib
 from podray.actors import ActorThread, ParamsStore, Rollout
 from podray.actors.params import local_copy
-from podray.agents import Agent, make_agent
+from podray.agents import Agent, build_agent
 from podray.envs import host_envs
 from podray.host import HostContext, check_devices, compiler_options
 from podray.learners import LEARNER_AXIS, Learner, LearnerState
@@ -60,7 +60,7 @@ class SebulbaProgram:
     Args:
       config: a validated Config with architecture 'sebulba'.
       host: the HostContext; sebulba.actor_devices / learner_devices index its local devices.
-      agent: an agent to run (default: podray.agents.make_agent from the config); the same object
+      agent: an agent to run (default: podray.agents.build_agent from the config); the same object
         can run under Anakin.
       env_factory: (thread index) -> HostEnv, to replace the config's environments (tests).
     """
@@ -78,7 +78,7 @@ class SebulbaProgram:
         self.frame_skip = 4 if self.channels_first else 1  # Atari: 4 frames per agent step
         self.steps_per_update = s.learner_batch_size * s.rollout_length  # over every host
         self.num_updates = math.ceil(config.total_env_steps / self.steps_per_update)
-        self.agent = agent or make_agent(config.agent, config.network, self.spec, self.num_updates)
+        self.agent = agent or build_agent(config, self.spec, self.num_updates, len(self.learner_devices))
         self.mesh = Mesh(np.asarray(self.learner_devices, dtype=object), (LEARNER_AXIS,))
         # Batch sizes are decoupled: a learner step takes k pieces of `piece` environments each from every
         # host; an actor trajectory is one piece, or is cut into several when this host's share of the

@@ -320,16 +320,20 @@ class MuZero(Agent):
         apply = self.network.apply
         latent = apply(network, items.obs, method=MuZeroNetwork.represent)
         policy, value = apply(network, latent, method=MuZeroNetwork.predict)
-        policies, values, rewards = [policy], [value], []
-        for k in range(self.config.unroll_steps):
-            latent, reward = apply(
-                network, scale_gradient(latent, 0.5), items.action[:, k], method=MuZeroNetwork.dynamics
-            )
-            policy, value = apply(network, latent, method=MuZeroNetwork.predict)
-            policies.append(policy)
-            values.append(value)
-            rewards.append(reward)
-        return jnp.stack(policies, 1), jnp.stack(values, 1), jnp.stack(rewards, 1)
+
+        def step(latent, action):
+            latent, reward = apply(network, scale_gradient(latent, 0.5), action, method=MuZeroNetwork.dynamics)
+            return latent, (*apply(network, latent, method=MuZeroNetwork.predict), reward)
+
+        # A scan over the K steps (the dynamics and prediction are dense layers, which scan well on any
+        # backend): the program holds one step's forward and backward pass, not K.
+        _, (policies, values, rewards) = jax.lax.scan(step, latent, jnp.swapaxes(items.action, 0, 1))
+        move = lambda x: jnp.swapaxes(x, 0, 1)  # noqa: E731  [K, N, ...] -> [N, K, ...]
+        return (
+            jnp.concatenate([policy[:, None], move(policies)], 1),
+            jnp.concatenate([value[:, None], move(values)], 1),
+            move(rewards),
+        )
 
     def replay_loss(
         self, network: Any, items: ReplayItem, weights: chex.Array | None = None
@@ -404,6 +408,11 @@ class MuZero(Agent):
         gradient steps on samples from it (none until the replay holds replay.min_size transitions)."""
         c, r = self.config, self.replay_config
         T, B = trajectory.action.shape
+        if T * B > self.capacity:
+            raise ConfigError(
+                f"replay.capacity: {r.capacity} holds {self.capacity} transitions per device, fewer than the "
+                f"{T * B} one update adds there; use at least {T * B * self.num_devices}"
+            )
         network = state.params.network
         items = self.items(network, trajectory)
         buffer_state = jax.tree.map(lambda x: x[0], state.replay)

@@ -34,7 +34,8 @@ LEARNER_AXIS = "learner"
 
 @struct.dataclass
 class LearnerState:
-    """What the learner carries between steps (replicated over the learner devices).
+    """What the learner carries between steps (replicated over the learner devices, but for the parts
+    of the agent's state that its `state_partition` shards, such as a replay).
 
     Attributes:
       train: the agent's TrainState.
@@ -78,18 +79,21 @@ class Learner:
         else:
             local_mesh = Mesh(np.asarray(local, dtype=object), (LEARNER_AXIS,))
             self.local_batch_sharding = NamedSharding(local_mesh, P(None, LEARNER_AXIS))
+        # The agent says which parts of its state are per-device shards (a replay) rather than replicated.
+        state_spec = LearnerState(train=agent.state_partition(P(), P(LEARNER_AXIS)), key=P())
         step = jax.shard_map(
             self._step,
             mesh=mesh,
-            in_specs=(P(), (P(None, LEARNER_AXIS),) * self.k),
-            out_specs=(P(), P()),
+            in_specs=(state_spec, (P(None, LEARNER_AXIS),) * self.k),
+            out_specs=(state_spec, P()),
             # rlax's scans start from unannotated constants; replication holds because every gradient
             # is averaged over LEARNER_AXIS (as in Anakin).
             check_vma=False,
         )
         options = compiler_options(mesh.devices.flat)
         self.step = jax.jit(step, donate_argnums=0, compiler_options=options)
-        self.init = jax.jit(self._init, out_shardings=self.replicated, compiler_options=options)
+        init = jax.shard_map(self._init, mesh=mesh, in_specs=P(), out_specs=state_spec, check_vma=False)
+        self.init = jax.jit(init, compiler_options=options)
 
     def _init(self, key: chex.PRNGKey) -> LearnerState:
         params_key, key = jax.random.split(key)

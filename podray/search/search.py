@@ -74,26 +74,26 @@ def qtransform_by_tree_min_max(tree: mctx.Tree, node_index: chex.Numeric, *, eps
     """Q-values of a node's children normalised to [0, 1] by the minimum and maximum over the tree.
 
     MuZero's MinMaxStats (Schrittwieser et al., 2020, Appendix B): the bounds are those of every
-    visited edge's Q-value r + gamma * V in the whole tree, not only of the node's siblings. Unvisited
-    children score 0, as in MuZero's pseudocode.
+    visited edge's Q-value r + gamma * V in the whole tree and of the node's own value, not only of
+    the node's siblings. An unvisited child scores the node's value (as mctx's
+    qtransform_by_parent_and_siblings does) rather than MuZero's 0: with 0, a child whose prior is
+    low is never tried once a sibling's Q-value sets the top of the range, even when the values
+    say it is better.
 
     Args:
       tree: an unbatched mctx tree (mctx vmaps its qtransform over the batch).
       node_index: scalar index of the parent node.
-      epsilon: the smallest denominator (a tree whose visited Q-values are all equal).
+      epsilon: the smallest denominator (a tree whose Q-values are all equal).
     Returns:
-      [num_actions] normalised Q-values.
+      [num_actions] normalised Q-values in [0, 1].
     """
     visited = tree.children_visits > 0  # [N, A]
     all_q = tree.children_rewards + tree.children_discounts * tree.children_values
-    low = jnp.min(jnp.where(visited, all_q, jnp.inf))
-    high = jnp.max(jnp.where(visited, all_q, -jnp.inf))
-    any_visit = jnp.any(visited)
-    low, high = jnp.where(any_visit, low, 0.0), jnp.where(any_visit, high, 0.0)
-    q = tree.qvalues(node_index)
-    child_visited = tree.children_visits[node_index] > 0
-    normalized = (q - low) / jnp.maximum(high - low, epsilon)
-    return jnp.where(child_visited, jnp.clip(normalized, 0.0, 1.0), 0.0)
+    node_value = tree.node_values[node_index]
+    low = jnp.minimum(jnp.min(jnp.where(visited, all_q, jnp.inf)), node_value)
+    high = jnp.maximum(jnp.max(jnp.where(visited, all_q, -jnp.inf)), node_value)
+    q = jnp.where(tree.children_visits[node_index] > 0, tree.qvalues(node_index), node_value)
+    return jnp.clip((q - low) / jnp.maximum(high - low, epsilon), 0.0, 1.0)
 
 
 def temperature_at(config: SearchConfig, progress: chex.Array) -> chex.Array:
