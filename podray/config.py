@@ -615,7 +615,9 @@ def _validate_muzero(config: Config) -> None:
     """The MuZero agent's fields and the search: and replay: sections (pure field checks)."""
     a, s, r = config.agent, config.search, config.replay
     if a.unroll_steps < 1:
-        raise ConfigError(f"agent.unroll_steps: K must be >= 1 (MuZero unrolls its model K steps), got {a.unroll_steps}")
+        raise ConfigError(
+            f"agent.unroll_steps: K must be >= 1 (MuZero unrolls its model K steps), got {a.unroll_steps}"
+        )
     _positive("agent.td_steps", a.td_steps)
     _positive("agent.support_size", a.support_size)
     if a.dynamics_blocks < 0:
@@ -636,7 +638,9 @@ def _validate_muzero(config: Config) -> None:
     if not 0.0 <= s.dirichlet_fraction <= 1.0:
         raise ConfigError(f"search.dirichlet_fraction: must be in [0, 1], got {s.dirichlet_fraction}")
     if s.temperature < 0:
-        raise ConfigError(f"search.temperature: must be >= 0 (0 acts greedily on the visit counts), got {s.temperature}")
+        raise ConfigError(
+            f"search.temperature: must be >= 0 (0 acts greedily on the visit counts), got {s.temperature}"
+        )
     decay = s.temperature_decay
     if any(not 0.0 < b < 1.0 for b in decay) or any(x >= y for x, y in zip(decay, decay[1:])):
         raise ConfigError(

@@ -132,7 +132,9 @@ def test_update_fills_the_replay_and_samples_at_the_replay_ratio():
         state, metrics = update(state, _trajectory(jax.random.PRNGKey(i)), jax.random.PRNGKey(10 + i))
         fills.append(float(metrics["buffer_fill"]))
         ratios.append(float(metrics["replay_ratio"]))
-        moved = any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params.network)))
+        moved = any(
+            not np.allclose(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params.network))
+        )
         assert moved == (fills[-1] * 128 >= 48)
         assert all(math.isfinite(float(v)) for v in metrics.values())
     assert fills == [32 / 128, 64 / 128, 96 / 128, 1.0, 1.0]  # 32 new transitions per update, then full

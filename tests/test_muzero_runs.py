@@ -140,7 +140,10 @@ def test_the_same_muzero_agent_runs_under_anakin_and_sebulba():
         "anakin_muzero_cartpole", "env.num_envs=8", "anakin.rollout_length=8", "anakin.updates_per_call=1"
     )
     sebulba_config = _config(
-        "sebulba_muzero_cartpole", "run.cpu_devices=0", "total_env_steps=2048", "sebulba.log_every=2",
+        "sebulba_muzero_cartpole",
+        "run.cpu_devices=0",
+        "total_env_steps=2048",
+        "sebulba.log_every=2",
         "replay.min_size=256",
     )
     spec, _ = host_envs.env_spec("CartPole-v1")

@@ -25,7 +25,9 @@ def _random_model(seed: int = 0) -> Model:
     w_reward = jax.random.normal(k[4], (8,))
 
     def out(latent, reward):
-        return ModelOutput(latent=latent, prior_logits=latent @ w_logits, value=jnp.tanh(latent @ w_value), reward=reward)
+        return ModelOutput(
+            latent=latent, prior_logits=latent @ w_logits, value=jnp.tanh(latent @ w_value), reward=reward
+        )
 
     def root(params, obs):
         latent = jnp.tanh(obs @ w_obs)

@@ -120,7 +120,9 @@ def make_items(
     K = unroll_steps
     T, B = trajectory.action.shape
     A = trajectory.actor_out.logits.shape[-1]
-    value = n_step_targets(trajectory.reward, trajectory.discount, trajectory.actor_out.value, bootstrap, td_steps, gamma)
+    value = n_step_targets(
+        trajectory.reward, trajectory.discount, trajectory.actor_out.value, bootstrap, td_steps, gamma
+    )
     d = _windows(trajectory.discount, K + 1, 1.0)  # past the end: unknown, counted as alive
     alive = jnp.concatenate([jnp.ones((T, B, 1)), jnp.cumprod(d[..., :K], axis=-1)], axis=-1)  # [T, B, K+1]
     t = jnp.arange(T)[:, None, None]
@@ -187,7 +189,8 @@ class MuZero(Agent):
         for name in ("capacity", "batch_size"):
             if getattr(r, name) % num_devices:
                 raise ConfigError(
-                    f"replay.{name}: {getattr(r, name)} does not split over {num_devices} devices; use a multiple of {num_devices}"
+                    f"replay.{name}: {getattr(r, name)} does not split over {num_devices} devices; "
+                    f"use a multiple of {num_devices}"
                 )
         S = config.support_size
         self.num_bins = 2 * S + 1
@@ -470,4 +473,3 @@ class MuZero(Agent):
 
 def _max_over(x: chex.Array, axis_name: AxisName) -> chex.Array:
     return x if axis_name is None else jax.lax.pmax(x, axis_name)
-
