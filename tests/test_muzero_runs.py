@@ -51,7 +51,7 @@ def test_anakin_muzero_learns(preset, overrides, target, tmp_path):
     summary = train(_config(preset, *overrides), run_dir=tmp_path)
     assert summary.final_mean_return >= target, summary
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    for name in ("root_value", "search_entropy", "reward_loss", "buffer_fill", "replay_ratio"):
+    for name in ("root_value", "search_entropy", "reward_loss", "model_consistency", "buffer_fill", "replay_ratio"):
         assert all(math.isfinite(row[name]) for row in rows), name
     assert rows[-1]["buffer_fill"] > 0 and rows[-1]["replay_ratio"] > 0
 

@@ -386,6 +386,20 @@ class MuZero(Agent):
         c = self.config
         return make_items(trajectory, bootstrap, c.unroll_steps, c.td_steps, c.discount)
 
+    def model_consistency(self, network: Any, trajectory: Trajectory) -> chex.Array:
+        """How well one dynamics step predicts the next state's representation on the new trajectory:
+        the mean cosine similarity of g(h(o_t), a_t) and h(o_{t+1}) over steps within an episode (1 is
+        a perfect match). A metric only (MuZero does not train the two to agree)."""
+        apply = self.network.apply
+        latent = apply(network, trajectory.obs, method=MuZeroNetwork.represent)  # [T+1, B, L]
+        predicted, _ = apply(network, latent[:-1], trajectory.action, method=MuZeroNetwork.dynamics)
+        target = latent[1:]
+        cosine = jnp.sum(predicted * target, -1) / (
+            jnp.linalg.norm(predicted, axis=-1) * jnp.linalg.norm(target, axis=-1) + 1e-8
+        )
+        alive = trajectory.discount > 0
+        return jnp.sum(jnp.where(alive, cosine, 0.0)) / jnp.maximum(jnp.sum(alive), 1)
+
     def gradient_steps(self, new_transitions: int) -> int:
         """Gradient steps of an update that brings `new_transitions` (on this device)."""
         r = self.replay_config
@@ -453,6 +467,7 @@ class MuZero(Agent):
         metrics.update(
             root_value=jnp.mean(trajectory.actor_out.value),
             search_entropy=jnp.mean(policy_entropy(search_policy)),
+            model_consistency=self.model_consistency(network, trajectory),
             buffer_fill=fill.astype(jnp.float32) / self.capacity,
             replay_ratio=ready.astype(jnp.float32) * steps * self.batch_size / (T * B),
             gradient_steps=ready.astype(jnp.float32) * steps,

@@ -5,6 +5,8 @@ For every (environment, devices x envs per device) setting, the same run measure
     calls of the compiled program;
   - ceiling_steps_per_s: the jitted environment step alone with random actions, at the same batch and
     devices, the same way (shard_map over the mesh, scan over the same number of steps).
+MuZero rows (agent muzero-<simulations>) run the anakin_muzero_cartpole preset (Gumbel search, replay
+ratio 4) at 8, 16 and 50 simulations per search on CartPole-v1, one device with 32 environments.
 Fake CPU devices are created for settings with more than one device (on CPU only).
 """
 
@@ -19,6 +21,8 @@ from dataclasses import asdict, dataclass
 FULL_SETTINGS = [(1, 4), (1, 64), (1, 1024), (4, 256)]
 QUICK_SETTINGS = [(1, 4), (2, 8)]
 ENVS = ["CartPole-v1", "Catch-bsuite"]
+MUZERO_SIMULATIONS = [8, 16, 50]
+MUZERO_SETTING = (1, 32)
 
 
 @dataclass
@@ -86,7 +90,15 @@ def _ceiling(program, steps_per_device_call: int, calls: int) -> float:
     return steps_per_device_call * n_local * program.num_devices / statistics.median(times)
 
 
-def measure(env_name: str, devices: int, envs_per_device: int, calls: int = 3, target_steps: int = 131072) -> Row:
+def measure(
+    env_name: str,
+    devices: int,
+    envs_per_device: int,
+    calls: int = 3,
+    target_steps: int = 131072,
+    simulations: int = 0,
+) -> Row:
+    """One row: PPO, or with `simulations` > 0 MuZero searching that many simulations per step."""
     import jax
 
     from podray import config as config_lib
@@ -94,17 +106,20 @@ def measure(env_name: str, devices: int, envs_per_device: int, calls: int = 3, t
     from podray.host import local_context
 
     num_envs = devices * envs_per_device
-    steps_per_update = num_envs * 128
+    rollout = 16 if simulations else 128
+    steps_per_update = num_envs * rollout
     updates_per_call = max(1, math.ceil(target_steps / steps_per_update))
-    config = config_lib.load(
-        "anakin_cartpole",
-        [
-            f"env.name={env_name}",
-            f"env.num_envs={num_envs}",
-            f"anakin.updates_per_call={updates_per_call}",
-            f"total_env_steps={steps_per_update * updates_per_call * (calls + 2)}",
-        ],
-    )
+    overrides = [
+        f"env.name={env_name}",
+        f"env.num_envs={num_envs}",
+        f"anakin.rollout_length={rollout}",
+        f"anakin.updates_per_call={updates_per_call}",
+        f"total_env_steps={steps_per_update * updates_per_call * (calls + 2)}",
+    ]
+    if simulations:
+        # the replay starts learning at once, so every timed call searches, adds, samples and learns
+        overrides += [f"search.num_simulations={simulations}", "replay.min_size=0"]
+    config = config_lib.load("anakin_muzero_cartpole" if simulations else "anakin_cartpole", overrides)
     host = local_context(list(range(devices)))
     program = AnakinProgram(config, host.mesh())
     state = program.initial_state(config.seed)
@@ -114,11 +129,11 @@ def measure(env_name: str, devices: int, envs_per_device: int, calls: int = 3, t
     times, _ = _time_calls(lambda s: step(s)[0], state, calls)
     steps_per_call = steps_per_update * updates_per_call
     steps_per_s = steps_per_call / statistics.median(times)
-    ceiling = _ceiling(program, 128 * updates_per_call, calls)
+    ceiling = _ceiling(program, rollout * updates_per_call, calls)
     del jax
     return Row(
         env=env_name,
-        agent="ppo",
+        agent=f"muzero-{simulations}" if simulations else "ppo",
         setting=f"{devices}x{envs_per_device}",
         devices=devices,
         envs_per_device=envs_per_device,
@@ -133,13 +148,15 @@ def measure(env_name: str, devices: int, envs_per_device: int, calls: int = 3, t
 
 def _print_row(row: Row) -> None:
     print(
-        f"{row.env:<14}{row.setting:>9}{row.steps_per_s:>14,.0f}{row.ceiling_steps_per_s:>14,.0f}"
+        f"{row.env:<14}{row.agent:>11}{row.setting:>9}{row.steps_per_s:>14,.0f}{row.ceiling_steps_per_s:>14,.0f}"
         f"{row.ratio:>8.2f}{row.compile_s:>11.1f}",
         flush=True,
     )
 
 
-def _measure_group(devices: int, per_device: list[int], envs: list[str], target_steps: int) -> None:
+def _measure_group(
+    devices: int, per_device: list[int], envs: list[str], target_steps: int, simulations: list[int] = ()
+) -> None:
     """Child-process entry: measures the settings of one device count, one JSON row per line."""
     from podray.host import configure_cpu_devices
 
@@ -148,6 +165,10 @@ def _measure_group(devices: int, per_device: list[int], envs: list[str], target_
         for n in per_device:
             row = measure(env_name, devices, n, calls=5, target_steps=target_steps)
             print(ROW_PREFIX + json.dumps(asdict(row)), flush=True)
+    for count in simulations:
+        # MuZero rows: PPO's target of env steps per call would be minutes of search per call on CPU
+        row = measure("CartPole-v1", devices, MUZERO_SETTING[1], calls=3, target_steps=2048, simulations=count)
+        print(ROW_PREFIX + json.dumps(asdict(row)), flush=True)
 
 
 ROW_PREFIX = "ROW "
@@ -166,12 +187,18 @@ def main(out: str | None = None, quick: bool = False) -> list[Row]:
     groups: dict[int, list[int]] = {}
     for devices, per_device in settings:
         groups.setdefault(devices, []).append(per_device)
-    header = f"{'env':<14}{'setting':>9}{'steps/s':>14}{'ceiling':>14}{'ratio':>8}{'compile s':>11}"
-    print("PPO 128-step rollouts, 4x4 minibatches; each device count in its own process")
+    muzero = [] if quick else MUZERO_SIMULATIONS
+    if MUZERO_SETTING[0] not in groups and muzero:
+        groups[MUZERO_SETTING[0]] = []
+    header = f"{'env':<14}{'agent':>11}{'setting':>9}{'steps/s':>14}{'ceiling':>14}{'ratio':>8}{'compile s':>11}"
+    print(
+        "PPO 128-step rollouts, 4x4 minibatches; MuZero (anakin_muzero_cartpole) 16-step rollouts at 8/16/50 "
+        "simulations; each device count in its own process"
+    )
     print(header, flush=True)
     rows = []
     for devices, per_device in groups.items():
-        args = [devices, per_device, envs, target_steps]
+        args = [devices, per_device, envs, target_steps, muzero if devices == MUZERO_SETTING[0] else []]
         code = (
             "import json, sys; from podray.bench.anakin_bench import _measure_group; "
             "_measure_group(*json.loads(sys.argv[1]))"
@@ -187,7 +214,9 @@ def main(out: str | None = None, quick: bool = False) -> list[Row]:
         stderr = proc.stderr.read()
         if proc.wait() != 0:
             raise RuntimeError(f"bench anakin: the {devices}-device process failed:\n{stderr[-3000:]}")
-    rows.sort(key=lambda r: (envs.index(r.env), settings.index((r.devices, r.envs_per_device))))
+    ppo_rows = [r for r in rows if r.agent == "ppo"]
+    ppo_rows.sort(key=lambda r: (envs.index(r.env), settings.index((r.devices, r.envs_per_device))))
+    rows = ppo_rows + [r for r in rows if r.agent != "ppo"]
     if out:
         with open(out, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=2)
