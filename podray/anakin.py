@@ -34,7 +34,8 @@ class RunnerState:
     """Everything a run carries between calls, for R replicas and B environments in all.
 
     Attributes:
-      train: TrainState, leaves [R, ...], replicated over devices.
+      train: TrainState, leaves [R, ...], replicated over devices (parts that the agent's
+        state_partition shards, such as a replay, are [R, devices, ...] with one shard per device).
       env: EnvState, leaves [R, B, ...], the environment axis sharded over devices.
       obs: [R, B, *obs_shape] current observations, sharded like `env`.
       key: [R, 2] PRNG keys, replicated.
