@@ -204,7 +204,7 @@ def test_more_considered_actions_than_actions_is_rejected_before_compiling(compi
     from podray.anakin import AnakinProgram
     from podray.envs.jax_envs import JaxEnv
 
-    config = config_lib.load("anakin_muzero_cartpole", ["search.max_num_considered_actions=3"])
+    config = config_lib.load("anakin_muzero_cartpole", ["search.policy=gumbel", "search.max_num_considered_actions=3"])
     devices = tuple(jax.local_devices()[:1])
     mesh = HostContext(0, 1, devices, devices).mesh()
     JaxEnv("CartPole-v1")  # gymnax's spaces build small arrays once per process (not the program's compiles)
