@@ -31,7 +31,7 @@ setup(
     extras_require={
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
-        "test": ["pytest>=7", "ruff"],
+        "test": ["pytest>=7", "ruff", "hypothesis>=6"],
     },
     entry_points={"console_scripts": ["podray=podray.cli:entry"]},
 )

@@ -21,6 +21,7 @@ import time
 
 from podray import config as config_lib
 from podray import run_dirs
+from podray.preemption import Preempted, StopNow
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -315,12 +316,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"podray: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
+        from podray.checkpoint import CheckpointError
         from podray.cluster.driver import ClusterError
 
-        if not isinstance(e, ClusterError):
+        if not isinstance(e, (ClusterError, CheckpointError)):
             raise
         print(f"podray: error: {e}", file=sys.stderr)
         return 1
+    except (Preempted, StopNow) as stopped:  # SIGTERM / SIGINT: podray.preemption
+        print(f"podray: {stopped}", file=sys.stderr, flush=True)
+        return stopped.exit_status
     except KeyboardInterrupt:
         print("podray: interrupted; the latest checkpoint is kept (resume with --resume RUN_DIR)", file=sys.stderr)
         return 130
