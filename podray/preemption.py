@@ -153,6 +153,7 @@ def handle_signals() -> Iterator[StopRequest]:
         if outer:
             for s, h in previous.items():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
+            STOP.clear()  # a later run in this process (tests, notebooks) starts without a stop
 
 
 class StopAgreement:
