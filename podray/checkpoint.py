@@ -155,6 +155,12 @@ class Checkpointer:
                 state, meta = self.restore(target, step)
             except Exception as e:  # orbax and tensorstore raise many kinds for a broken file
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+                if "Topology mismatch" in reason:  # intact, but saved by a program of another shape
+                    raise CheckpointError(
+                        f"the checkpoint of update {step} in {self.directory} was saved by a program with "
+                        "another number of hosts or devices than this one; resume with the run's run.hosts "
+                        "and device count"
+                    ) from e
                 damaged.append((step, reason[:300]))
                 self.say(f"podray: checkpoint of update {step} in {self.directory} is damaged ({reason[:300]})")
                 continue

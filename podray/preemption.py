@@ -182,10 +182,10 @@ class StopAgreement:
             from jax.sharding import PartitionSpec as P
 
             self._np = np
-            axis = mesh.axis_names[0]
-            self._sharding = NamedSharding(mesh.reshape((mesh.size,), (axis,)) if mesh.ndim > 1 else mesh, P(axis))
+            flat = jax.sharding.Mesh(np.asarray(list(mesh.devices.flat), dtype=object), ("podray_stop",))
+            self._sharding = NamedSharding(flat, P("podray_stop"))
             self._local = len([d for d in mesh.devices.flat if d.process_index == jax.process_index()])
-            self._reduce = jax.jit(jnp.max, out_shardings=NamedSharding(self._sharding.mesh, P()))
+            self._reduce = jax.jit(jnp.max, out_shardings=NamedSharding(flat, P()))
 
     def should_stop(self) -> bool:
         """Call once after dispatching each call; True: every host stops after this call."""
