@@ -11,7 +11,8 @@ What goes wrong with checkpoints, and what this module does about it:
     moved (not deleted) to checkpoints_damaged/ beside the checkpoints, so that the resumed run can
     save those steps again. With none readable it raises CheckpointError and moves nothing.
   - A checkpoint written by another config: `check_config` compares the config stored with the
-    checkpoint to the run's and names the first field that differs, before anything compiles.
+    checkpoint to the run's, on the fields that decide the state's shapes, and names the first that
+    differs, before anything compiles.
   - A save that fails (full disk, lost permissions): CheckpointError with the reason; the previous
     checkpoint is untouched (the save never reached its rename).
 """
@@ -35,10 +36,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be read or written; the message names the step, the path and the reason."""
 
 
-# Fields that may differ between a checkpoint's config and the run resuming it: they leave the meaning
-# and the shapes of the saved state alone (config.RESUME_FIELDS, plus where and how the run is placed).
-_FREE_FIELDS = set(config_lib.RESUME_FIELDS) | {"name"}
-_FREE_PREFIXES = ("run.",)
+# Fields that decide the shapes and structure of the saved state: the environment (its state and
+# observations), the network, the agent and its optimizer (their parameters and optimizer state), and
+# Anakin's replica axis. Hyperparameters (learning rate, coefficients) may differ: PBT restores one
+# trial's checkpoint into another with mutated ones, and `--resume --set` guards the rest.
+_SHAPE_FIELDS = ("architecture", "env.", "network.", "agent.name", "agent.optimizer", "anakin.replicas")
 
 
 def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
@@ -52,17 +54,17 @@ def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def config_mismatch(saved: dict, config: config_lib.Config) -> tuple[str, Any, Any] | None:
-    """The first field (dotted path, saved value, run's value) whose difference changes what a
-    checkpoint means, or None when the checkpoint fits `config`."""
+    """The first field (dotted path, saved value, run's value) whose difference changes the shapes of
+    the saved state, or None when the checkpoint fits `config`."""
     a, b = _flatten(saved), _flatten(config.to_dict())
     for key in sorted(set(a) | set(b)):
-        if key in _FREE_FIELDS or key.startswith(_FREE_PREFIXES):
-            continue
-        va, vb = a.get(key), b.get(key)
+        if not key.startswith(_SHAPE_FIELDS) or key not in a or key not in b:
+            continue  # a field of a newer podray is absent from an older checkpoint: not a mismatch
+        va, vb = a[key], b[key]
         if isinstance(va, (list, tuple)) and isinstance(vb, (list, tuple)):
             va, vb = list(va), list(vb)
         if va != vb:
-            return key, a.get(key, "(absent)"), b.get(key, "(absent)")
+            return key, a[key], b[key]
     return None
 
 
