@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from podray import config as config_lib
+from podray import validation
 from podray.config import ConfigError
 
 FUZZ_DIV = int(__import__("os").environ.get("FUZZ_DIV", "1"))
@@ -37,6 +38,13 @@ SECTIONS = sorted({k.split(".")[0] for k in FIELDS if "." in k})
 FIELD_NAME = re.compile(
     "|".join(re.escape(k) for k in sorted([*FIELDS, *SECTIONS], key=len, reverse=True)) + r"|\b[a-z_]+\.[a-z_]+"
 )
+
+
+def _load(preset: str | None = None, overrides: typing.Sequence[str] = ()) -> config_lib.Config:
+    """What `podray train` does with its input before anything compiles: parse, then the whole check."""
+    config = config_lib.load(preset, overrides)
+    validation.validate(config)
+    return config
 
 
 def _accepted_or_named(build: typing.Callable[[], typing.Any], field: str | None = None):
@@ -76,7 +84,7 @@ def _render(value) -> str:
 @settings(max_examples=500 // FUZZ_DIV, **SETTINGS)
 @given(st.text(max_size=40))
 def test_any_set_string_is_accepted_or_rejected_in_one_line(text):
-    _accepted_or_named(lambda: config_lib.load(None, [text]))
+    _accepted_or_named(lambda: _load(None, [text]))
 
 
 @settings(max_examples=600 // FUZZ_DIV, **SETTINGS)
@@ -85,7 +93,7 @@ def test_any_set_string_is_accepted_or_rejected_in_one_line(text):
     st.one_of(yaml_values.map(_render), st.text(max_size=15)),
 )
 def test_set_of_any_value_on_any_field_names_the_field(field, raw):
-    _accepted_or_named(lambda: config_lib.load(None, [f"{field}={raw}"]), field=field)
+    _accepted_or_named(lambda: _load(None, [f"{field}={raw}"]), field=field)
 
 
 FLOAT_FIELDS = sorted(k for k, tp in FIELDS.items() if tp is float)
@@ -149,7 +157,7 @@ def valid_overrides(draw) -> dict[str, typing.Any]:
 @settings(max_examples=300 // FUZZ_DIV, **SETTINGS)
 @given(valid_overrides())
 def test_valid_set_strings_are_never_rejected(overrides):
-    config = config_lib.load(None, [f"{k}={_render(v)}" for k, v in overrides.items()])
+    config = _load(None, [f"{k}={_render(v)}" for k, v in overrides.items()])
     for key, value in overrides.items():
         section, _, name = key.rpartition(".")
         got = getattr(getattr(config, section) if section else config, name)
@@ -161,7 +169,7 @@ def test_valid_set_strings_are_never_rejected(overrides):
 def test_valid_yaml_files_are_never_rejected(tmp_path_factory, overrides):
     path = tmp_path_factory.mktemp("yaml") / "config.yaml"
     path.write_text(yaml.safe_dump(config_lib.nest(overrides)))
-    config_lib.load(str(path))
+    _load(str(path))
 
 
 # ---- YAML presets, mutated ----------------------------------------------------------------------------
@@ -187,7 +195,7 @@ def test_mutated_presets_are_accepted_or_name_the_field(tmp_path_factory, data):
     mutated = config_lib._merge(preset, config_lib.nest({field: value}))
     path = tmp_path_factory.mktemp("preset") / f"{name}.yaml"
     path.write_text(yaml.safe_dump(mutated))
-    _accepted_or_named(lambda: config_lib.load(str(path)), field=field)
+    _accepted_or_named(lambda: _load(str(path)), field=field)
 
 
 # ---- Tune search spaces -------------------------------------------------------------------------------
