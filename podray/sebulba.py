@@ -300,6 +300,7 @@ class _Reporter:
             learner_step_s=self.learner_step_s,
             learner_wait_fraction=self.learner_wait_s / elapsed,
             queue_occupancy=float(np.mean(p.queue_sizes or [0])),
+            queue_occupancy_max=float(np.max(p.queue_sizes or [0])),
             policy_lag=float(np.mean(lags)),
             policy_lag_max=float(np.max(lags)),
             dropped_trajectories=float(p.dropped),
