@@ -9,7 +9,8 @@ What happens on a signal (a preempted TPU VM or spot instance, Ray stopping a no
   3. The program saves a checkpoint there, writes the stop to run_log.jsonl and raises `Preempted`;
      the command prints one line (where the checkpoint is, how to resume) and exits 143 (SIGTERM) or
      130 (SIGINT).
-  4. A second signal stops at once (`StopNow`), keeping the checkpoints already written.
+  4. A second signal (more than SAME_STOP_S after the first) stops at once (`StopNow`), keeping the
+     checkpoints already written.
 
 Why not jax.experimental.multihost_utils.reached_preemption_sync_point: it works on CPU with
 jax.distributed on loopback (both hosts agreed on a step in our check), but it hears only SIGTERM,
@@ -121,8 +122,15 @@ _installed = 0  # nesting depth of handle_signals() in this process
 _install_lock = threading.Lock()
 
 
+SAME_STOP_S = 1.0
+"""A signal this soon after the first is the same stop delivered twice (Ctrl-C reaches every process of
+the terminal's group, host workers included, and the driver passes it on too), not a second one."""
+
+
 def _handler(signum: int, frame: Any) -> None:
     if STOP.requested:
+        if time.time() - (STOP.time or 0.0) < SAME_STOP_S:
+            return
         raise StopNow(signum)
     STOP.request(signum)
 

@@ -282,6 +282,10 @@ def test_a_second_signal_stops_at_once():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)
         assert stop.requested and stop.signal_name == "SIGTERM"
+        os.kill(os.getpid(), signal.SIGINT)  # the same stop delivered twice (terminal group + driver)
+        time.sleep(0.05)
+        assert stop.signal_name == "SIGTERM"
+        time.sleep(preemption.SAME_STOP_S)
         with pytest.raises(preemption.StopNow) as raised:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1.0)
