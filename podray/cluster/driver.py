@@ -479,6 +479,16 @@ def _run_group(
             group.stop()
             group = None
             checkpoint = _latest_checkpoint(run_dir)
+            if STOP.requested:  # signalled before the workers could stop gracefully (start-up): no restart
+                last = _last_logged(run_dir)
+                _log_event(run_dir, {"event": "stopped", "signal": STOP.signal_name, "updates": checkpoint})
+                raise Preempted(
+                    STOP.signal_name,
+                    checkpoint,
+                    int(last.get("env_steps", 0)),
+                    str(run_dir / "checkpoints"),
+                    str(run_dir),
+                ) from None
             last = _last_logged(run_dir)
             reached = int(last.get("updates", last.get("step", 0)))
             resumed_from = checkpoint or 0
