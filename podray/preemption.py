@@ -64,7 +64,7 @@ class Preempted(Exception):
 
     def __str__(self) -> str:
         if self.updates is None:
-            return f"stopped by {self.signal_name} at {self.env_steps:,d} env steps (this run keeps no checkpoints)"
+            return f"stopped by {self.signal_name} at {self.env_steps:,d} env steps, before any checkpoint was saved"
         return (
             f"stopped by {self.signal_name} at update {self.updates} ({self.env_steps:,d} env steps); checkpoint "
             f"saved in {self.checkpoint_dir}; continue with: podray train --resume {self.run_dir}"
