@@ -46,17 +46,25 @@ class Preempted(Exception):
       env_steps: env steps done at that update.
       checkpoint_dir: the directory holding the checkpoint.
       run_dir: the run directory (what --resume takes).
+      signal_time: when the signal arrived (time.time(); default: STOP's record of it).
     """
 
     def __init__(
-        self, signal_name: str, updates: int | None, env_steps: int, checkpoint_dir: str = "", run_dir: str = ""
+        self,
+        signal_name: str,
+        updates: int | None,
+        env_steps: int,
+        checkpoint_dir: str = "",
+        run_dir: str = "",
+        signal_time: float | None = None,
     ):
         self.signal_name = signal_name
         self.updates = updates
         self.env_steps = env_steps
         self.checkpoint_dir = checkpoint_dir
         self.run_dir = run_dir
-        super().__init__(signal_name, updates, env_steps, checkpoint_dir, run_dir)
+        self.signal_time = STOP.time if signal_time is None else signal_time
+        super().__init__(signal_name, updates, env_steps, checkpoint_dir, run_dir, self.signal_time)
 
     @property
     def exit_status(self) -> int:

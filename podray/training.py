@@ -104,7 +104,7 @@ def train(
         stopped.run_dir = str(run_dir)
         if host.is_leader:
             event = {"event": "stopped", "signal": stopped.signal_name, "updates": stopped.updates}
-            event.update(env_steps=stopped.env_steps, signal_time=preemption.STOP.time)
+            event.update(env_steps=stopped.env_steps, signal_time=stopped.signal_time)
             preemption.log_event(run_dir, event)
         raise
     except CheckpointError as failed:

@@ -86,6 +86,7 @@ def test_sigterm_in_process_anakin_saves_at_the_boundary_and_resumes_bitwise(tmp
     assert read_jsonl(run_dir / "metrics.jsonl")[-1]["updates"] == stopped_at
     event = read_jsonl(run_dir / "run_log.jsonl")[-1]
     assert event["event"] == "stopped" and event["signal"] == "SIGTERM" and event["updates"] == stopped_at
+    assert 0 < event["time"] - event["signal_time"] < 30  # saved within the grace period
 
     # Resume for 3 more calls; the result is bitwise that of a run never interrupted.
     total = (stopped_at + 6) * PER_UPDATE
