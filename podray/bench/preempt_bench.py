@@ -55,10 +55,19 @@ def _rows(run_dir: pathlib.Path) -> list[dict]:
 
 
 def _final_arrays(run_dir: pathlib.Path):
+    """The arrays of the run's newest checkpoint, gathered onto this process's first CPU device (the
+    checkpoint was written by a process of several devices)."""
+    import jax
     import orbax.checkpoint as ocp
 
     steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
-    return ocp.StandardCheckpointer().restore(run_dir / "checkpoints" / str(steps[-1]) / "state")
+    path = run_dir / "checkpoints" / str(steps[-1]) / "state"
+    checkpointer = ocp.StandardCheckpointer()
+    one = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    target = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), checkpointer.metadata(path).item_metadata
+    )
+    return checkpointer.restore(path, target)
 
 
 def trial(mode: str, max_delay_s: float, workdir: str, rng: random.Random) -> dict:
