@@ -553,6 +553,9 @@ def train_on_ray(
     base = pathlib.Path(run_dirs.resolve(config, run_dir))
     pin_driver_jax_to_cpu()
     validation.validate(config)
+    from podray.checkpoint import probe_writable
+
+    probe_writable(base)  # before Ray starts and anything compiles (each host worker probes too)
     seeds = config.run.seeds
     replicas = []
     for seed in seeds or [config.seed]:
@@ -564,9 +567,7 @@ def train_on_ray(
         (base / "config.yaml").write_text(config_lib.dump_yaml(config))
     hosts_needed = len(replicas) * (1 if config.run.tpu_topology else config.run.hosts)
     from podray import preemption
-    from podray.checkpoint import probe_writable
 
-    probe_writable(base)  # before Ray starts and anything compiles (each host worker probes too)
     connection = connect(address, dashboard=dashboard, num_cpus=max(os.cpu_count() or 1, hosts_needed))
     # After ray.init: our handlers replace Ray's absl failure-signal handler for SIGTERM/SIGINT (its
     # native stack dump), and a signal becomes a graceful stop of every host worker.
