@@ -99,7 +99,8 @@ def trial(mode: str, max_delay_s: float, workdir: str, rng: random.Random) -> di
     exit_s = time.monotonic() - sent
     last_line = err.strip().splitlines()[-1] if err.strip() else ""
     rows = _rows(run_dir)
-    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    directory = run_dir / "checkpoints"
+    steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.exists() else []
     checkpoint = steps[-1] if steps else None
     per_boundary = 2 if mode.startswith("anakin") else 1
     out.update(
@@ -113,6 +114,7 @@ def trial(mode: str, max_delay_s: float, workdir: str, rng: random.Random) -> di
         checkpoint_age_ok=checkpoint is not None and 0 <= checkpoint - logged <= 2 * per_boundary,
     )
     if checkpoint is None:
+        out["error"] = last_line[-300:]
         return out
     # Resume (in-process, on the same global device count) to two boundaries past the checkpoint.
     per_update = rows[-1]["env_steps"] // rows[-1]["updates"]

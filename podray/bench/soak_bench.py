@@ -113,7 +113,7 @@ def soak(name: str, minutes: float, interval_s: float, workdir: str) -> dict:
         "samples": samples,
         "exit_status": proc.returncode,
         "stop_s": stop_s,
-        "stopped_line": (err or "").strip().splitlines()[-1] if err and err.strip() else "",
+        "stopped_line": (err or "").strip().splitlines()[-1][-300:] if err and err.strip() else "",
         "rss_mb_mean": mean_rss,
         "rss_pct_per_hour": 100.0 * slope_per_hour(t, rss) / mean_rss if mean_rss else 0.0,
         "threads_per_hour": slope_per_hour(t, [s["threads"] for s in steady]),
@@ -163,7 +163,8 @@ def main(minutes: float = 60.0, interval_s: float = 60.0, out: str | None = None
                 f"{name}: {r['minutes']:.0f} min, {len(r['samples'])} samples, {r['env_steps']:,} env steps | "
                 f"RSS {r['rss_mb_mean']:.0f} MB, {r['rss_pct_per_hour']:+.2f} %/h | threads "
                 f"{r['threads_per_hour']:+.2f}/h {r['threads_range']} | fds {r['fds_per_hour']:+.2f}/h "
-                f"{r['fds_range']}{queue} | exit {r['exit_status']} after {r['stop_s'] or 0:.0f} s",
+                f"{r['fds_range']}{queue} | exit {r['exit_status']} after {r['stop_s'] or 0:.0f} s: "
+                f"{r['stopped_line']}",
                 flush=True,
             )
     if out:
