@@ -76,8 +76,8 @@ def soak(name: str, minutes: float, interval_s: float, workdir: str) -> dict:
     start = time.monotonic()
     deadline = start + minutes * 60
     try:
-        # The clock starts at the first metrics row (after start-up and compilation).
-        while proc.poll() is None and not (run_dir / "metrics.jsonl").exists():
+        # The clock starts at the first metrics row (after start-up, compilation and the first report).
+        while proc.poll() is None and not _last_row(run_dir / "metrics.jsonl"):
             time.sleep(0.5)
         start = time.monotonic()
         deadline = start + minutes * 60
