@@ -73,9 +73,29 @@ def _assert_one_line_stop(err: str, signal_name: str, run_dir: pathlib.Path) -> 
     return int(last.split(" at update ")[1].split()[0])
 
 
-def test_sigterm_in_process_anakin_saves_at_the_boundary_and_resumes_bitwise(tmp_path):
+@pytest.fixture
+def compilation_cache(tmp_path):
+    """A JAX persistent compilation cache shared by this test's processes: the interrupted run, its
+    resume and the uninterrupted run compile the same program once."""
+    from jax._src import compilation_cache
+
+    cache = str(tmp_path / "jax_cache")
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = [getattr(jax.config, name) for name in names]
+    compilation_cache.reset_cache()  # JAX reads the directory once, at its first compilation
+    jax.config.update(names[0], cache)
+    jax.config.update(names[1], 0)
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    yield env
+    for name, value in zip(names, before):
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+def test_sigterm_in_process_anakin_saves_at_the_boundary_and_resumes_bitwise(tmp_path, compilation_cache):
     run_dir = tmp_path / "cut"
-    proc = _start(["train", "--in-process", "--run-dir", str(run_dir), "--set", *ANAKIN, "total_env_steps=10000000"])
+    args = ["train", "--in-process", "--run-dir", str(run_dir), "--set", *ANAKIN, "total_env_steps=10000000"]
+    proc = _start(args, env=compilation_cache)
     _wait_for_rows(run_dir, 2, proc)
     out, err, took = _signal_and_wait(proc, signal.SIGTERM)
     assert proc.returncode == 143, err
