@@ -37,7 +37,7 @@ setup(
         # Run directories on object stores (podray.storage): fsspec filesystems for etils.epath.
         "gcs": ["gcsfs"],
         "s3": ["s3fs"],
-        "test": ["pytest>=7", "ruff", "s3fs", "moto[server]>=5"],
+        "test": ["pytest>=7", "ruff", "s3fs", "moto[server]>=5", "hypothesis>=6"],
     },
     entry_points={"console_scripts": ["podray=podray.cli:entry"]},
 )

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from podray import config as config_lib
+from podray import preemption
 from podray.agents import TrainState, Trajectory, build_agent
 from podray.envs.jax_envs import EnvState, JaxEnv
 from podray.host import DEVICE_AXIS, HostContext, check_devices, compiler_options
@@ -206,7 +207,7 @@ def run(
     steps_per_call = program.steps_per_update * k.updates_per_call * k.replicas
     start_call, elapsed_before = 0, 0.0
     if resume and checkpointer is not None and checkpointer.latest_step() is not None:
-        state, meta = checkpointer.restore(program.abstract_state(config.seed))
+        state, meta = checkpointer.restore_latest(program.abstract_state(config.seed))
         start_call, elapsed_before = int(meta["calls"]), float(meta.get("wall_s", 0.0))
     else:
         state = program.initial_state(config.seed)
@@ -241,6 +242,9 @@ def run(
         report_time = now
         sinks.write(updates, row)
 
+    # A signal (podray.preemption) ends the run at a call boundary that every host agrees on, with a
+    # checkpoint there: the resumed run continues from exactly that state.
+    agreement = preemption.StopAgreement(program.mesh, preemption.STOP)
     pending = None
     for call in range(start_call, program.num_calls):
         state, metrics = step(state)  # dispatched asynchronously
@@ -250,7 +254,8 @@ def run(
         done_updates = (call + 1) * k.updates_per_call
         last = call == program.num_calls - 1
         every = config.run.checkpoint_every
-        if checkpointer is not None and (last or (every and done_updates % every == 0)):
+        stopping = agreement.should_stop() and not last
+        if checkpointer is not None and (last or stopping or (every and done_updates % every == 0)):
             report(*pending)
             pending = None
             wall = elapsed_before + time.perf_counter() - start
@@ -262,6 +267,16 @@ def run(
                 "config": config.to_dict(),
             }
             checkpointer.save(done_updates, state, meta)
+        if stopping:
+            if pending is not None:
+                report(*pending)
+            raise preemption.Preempted(
+                preemption.STOP.signal_name or "SIGTERM",
+                done_updates if checkpointer is not None else None,
+                done_updates * program.steps_per_update * k.replicas,
+                str(checkpointer.directory) if checkpointer is not None else "",
+                run_dir,
+            )
     if pending is not None:
         report(*pending)
     jax.block_until_ready(state)

@@ -5,6 +5,8 @@
   podray bench anakin|sebulba|ray [--out FILE] [--quick]
   podray bench sebulba-hosts|scale [--repeats R] [--out FILE] [--quick]
   podray bench sebulba [--torso T,..] [--batch B,..] [--threads N,..] [--split S,..] [--repeats R] [--seconds S]
+  podray bench preempt [--trials 10] [--max-delay 10] [--out FILE]
+  podray bench soak [--minutes 60] [--interval 60] [--out FILE] [--plot PNG]
   podray bench probe RUN_DIR [--step UPDATE] [--out FILE]
   podray tune STUDY_YAML [--set section.field=value ...] [--storage DIR] [--name NAME] [--address ADDR]
   podray tune --resume STUDY_DIR
@@ -21,6 +23,7 @@ import time
 
 from podray import config as config_lib
 from podray import run_dirs
+from podray.preemption import Preempted, StopNow
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -175,6 +178,22 @@ def _bench(args: argparse.Namespace) -> int:
         host.configure_cpu_devices(4)  # on CPU: fake devices for the actor/learner splits
         sebulba_bench.main(out=args.out, min_seconds=args.seconds, sweep=sweep, repeats=args.repeats)
         return 0
+    if args.target == "preempt":
+        if args.trials < 1 or args.max_delay < 0:
+            raise config_lib.ConfigError(f"bench preempt: --trials {args.trials} must be >= 1, --max-delay >= 0")
+        from podray.bench import preempt_bench
+
+        preempt_bench.main(trials=args.trials, max_delay_s=args.max_delay, out=args.out)
+        return 0
+    if args.target == "soak":
+        if args.minutes <= 0 or args.interval <= 0:
+            raise config_lib.ConfigError(
+                f"bench soak: --minutes {args.minutes} and --interval {args.interval} must be > 0"
+            )
+        from podray.bench import soak_bench
+
+        soak_bench.main(minutes=args.minutes, interval_s=args.interval, out=args.out, plot_path=args.plot)
+        return 0
     if args.target == "probe":
         if not args.run_dir:
             raise config_lib.ConfigError("bench probe: give a run directory: podray bench probe RUN_DIR")
@@ -185,7 +204,8 @@ def _bench(args: argparse.Namespace) -> int:
         probe.main(args.run_dir, out=args.out, frames=args.frames, step=args.step)
         return 0
     raise config_lib.ConfigError(
-        f"bench: unknown target '{args.target}'; choose anakin, sebulba, sebulba-hosts, scale, ray or probe"
+        f"bench: unknown target '{args.target}'; choose anakin, sebulba, sebulba-hosts, scale, ray, soak, preempt "
+        "or probe"
     )
 
 
@@ -272,7 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=_train)
     b = sub.add_parser("bench", help="throughput benchmarks; 'probe RUN_DIR' looks inside a run's network")
     b.add_argument(
-        "target", choices=["anakin", "sebulba", "sebulba-hosts", "scale", "ray", "probe"], help="what to benchmark"
+        "target",
+        choices=["anakin", "sebulba", "sebulba-hosts", "scale", "ray", "soak", "preempt", "probe"],
+        help="what to benchmark",
     )
     b.add_argument("run_dir", nargs="?", default=None, help="probe: the run directory (its latest checkpoint)")
     b.add_argument("--frames", type=int, default=2400, help="probe: random-play frames to look at")
@@ -280,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--step", type=int, default=None, help="probe: the checkpoint (update) to look at; default the latest"
     )
     b.add_argument("--out", default=None, help="write the rows as JSON to this file")
+    b.add_argument(
+        "--minutes", type=float, default=60.0, help="soak: minutes of each run (Sebulba Pong, Anakin MinAtar)"
+    )
+    b.add_argument("--interval", type=float, default=60.0, help="soak: seconds between samples")
+    b.add_argument("--plot", default=None, help="soak: write the plot (PNG) to this file")
+    b.add_argument("--trials", type=int, default=10, help="preempt: SIGTERM trials (modes in turn)")
+    b.add_argument("--max-delay", type=float, default=10.0, help="preempt: most seconds after the first row")
     b.add_argument("--quick", action="store_true", help="a shorter sweep (for smoke tests)")
     b.add_argument("--seconds", type=float, default=20.0, help="sebulba: seconds of steady state per setting")
     b.add_argument("--torso", default=None, help="sebulba: torsos to sweep, e.g. nature_cnn,impala_resnet")
@@ -324,12 +353,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"podray: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
+        from podray.checkpoint import CheckpointError
         from podray.cluster.driver import ClusterError
 
-        if not isinstance(e, ClusterError):
+        if not isinstance(e, (ClusterError, CheckpointError)):
             raise
         print(f"podray: error: {e}", file=sys.stderr)
         return 1
+    except (Preempted, StopNow) as stopped:  # SIGTERM / SIGINT: podray.preemption
+        print(f"podray: {stopped}", file=sys.stderr, flush=True)
+        return stopped.exit_status
     except KeyboardInterrupt:
         print("podray: interrupted; the latest checkpoint is kept (resume with --resume RUN_DIR)", file=sys.stderr)
         return 130

@@ -14,6 +14,7 @@ and podray.validation.validate runs all of them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import types
 import typing
@@ -366,6 +367,8 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{path}: must be a finite number, got {value!r}")
             return float(value)
     elif tp is str:
         if isinstance(value, str):
@@ -425,8 +428,13 @@ def load_yaml(path_or_name: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        raise ConfigError(f"{path}: not valid YAML: {_one_line(e)}") from None
     return data or {}
+
+
+def _one_line(error: BaseException) -> str:
+    """A YAML parser's multi-line message (with its caret diagram) as one line."""
+    return " ".join(str(error).split())
 
 
 def parse_override(text: str) -> dict[str, Any]:
@@ -440,7 +448,7 @@ def parse_override(text: str) -> dict[str, Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML: {e}") from e
+        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML: {_one_line(e)}") from None
     if isinstance(value, str):
         # YAML reads '1e5' as a string; accept plain scientific notation as numbers.
         try:

@@ -96,8 +96,15 @@ def truncate_jsonl(path: str | os.PathLike, max_step: int) -> None:
     if text is None:
         return
     rows = [line for line in text.splitlines() if line.strip()]
-    kept = [line for line in rows if json.loads(line).get("step", 0) <= max_step]
-    storage.write_text(path, "".join(line + "\n" for line in kept))
+    kept = "".join(line + "\n" for line in rows if json.loads(line).get("step", 0) <= max_step)
+    if storage.is_uri(path):
+        storage.write_text(path, kept)
+        return
+    # In place, not by rename: a JsonlSink may already hold the file open for appending (a resume that
+    # falls back past a damaged checkpoint cuts again), and its next row must land in this file.
+    with open(os.fspath(path), "r+") as f:
+        f.write(kept)
+        f.truncate()
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -45,6 +45,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from podray import config as config_lib
+from podray import preemption
 from podray.actors import ActorThread, ParamsStore, Rollout
 from podray.actors.params import local_copy
 from podray.agents import Agent, build_agent
@@ -299,6 +300,7 @@ class _Reporter:
             learner_step_s=self.learner_step_s,
             learner_wait_fraction=self.learner_wait_s / elapsed,
             queue_occupancy=float(np.mean(p.queue_sizes or [0])),
+            queue_occupancy_max=float(np.max(p.queue_sizes or [0])),
             policy_lag=float(np.mean(lags)),
             policy_lag_max=float(np.max(lags)),
             dropped_trajectories=float(p.dropped),
@@ -381,7 +383,7 @@ def run_program(
     s = config.sebulba
     version, elapsed_before = 0, 0.0
     if resume and checkpointer is not None and checkpointer.latest_step() is not None:
-        state, meta = checkpointer.restore(program.learner.abstract_state(config.seed))
+        state, meta = checkpointer.restore_latest(program.learner.abstract_state(config.seed))
         version, elapsed_before = int(meta["updates"]), float(meta.get("wall_s", 0.0))
     else:
         state = program.learner.initial_state(config.seed)
@@ -390,23 +392,27 @@ def run_program(
     reporter = _Reporter(program)
     last_return = math.nan
     steady_start, steady_steps = None, 0
+    # A signal (podray.preemption) ends the run after a learner step that every learner host agrees on,
+    # with a report and a checkpoint there; the actors are then joined like at the end of a run.
+    agreement = preemption.StopAgreement(program.mesh, preemption.STOP)
     program.start(state.train.params, version)
     try:
         while version < program.num_updates:
             wait_start = time.perf_counter()
             rollouts = program.gather(version)
             reporter.learner_wait_s += time.perf_counter() - wait_start
-            report = (version + 1) % s.log_every == 0 or version + 1 == program.num_updates
             step_start = time.perf_counter()
             state, metrics = program.learner_step(state, rollouts)
             del rollouts  # the trajectories' device buffers are freed as soon as the step is done
+            last = version + 1 == program.num_updates
+            stopping = agreement.should_stop() and not last
+            report = (version + 1) % s.log_every == 0 or last or stopping
             if report:  # one sync per report: the time of a learner step from dispatch to result
                 jax.block_until_ready(metrics)
                 reporter.learner_step_s = time.perf_counter() - step_start
             version += 1
             reporter.updates += 1
             program.params.publish(state.train.params, version)
-            last = version == program.num_updates
             if report:
                 row = reporter.row(metrics, version, version * program.steps_per_update)
                 if not math.isnan(row["mean_return"]):
@@ -418,7 +424,7 @@ def run_program(
                     steady_steps = (version - steady_from) * program.steps_per_update
                 sinks.write(version, row)
                 every = config.run.checkpoint_every
-                if checkpointer is not None and (last or (every and version % every == 0)):
+                if checkpointer is not None and (last or stopping or (every and version % every == 0)):
                     meta = {
                         "updates": version,
                         "env_steps": version * program.steps_per_update,
@@ -426,6 +432,14 @@ def run_program(
                         "config": config.to_dict(),
                     }
                     checkpointer.save(version, state, meta)
+            if stopping:
+                raise preemption.Preempted(
+                    preemption.STOP.signal_name or "SIGTERM",
+                    version if checkpointer is not None else None,
+                    version * program.steps_per_update,
+                    str(checkpointer.directory) if checkpointer is not None else "",
+                    run_dir,
+                )
         jax.block_until_ready(state)
         program.params.publish(state.train.params, version, wait=True)  # every actor copy, current
     except BaseException:

@@ -82,16 +82,25 @@ def train(
     # Sebulba's split indexes this host's devices; Anakin's environments divide over every host's.
     host_lib.check_devices(config, len(host.local_devices if config.architecture == "sebulba" else host.devices))
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    from podray.checkpoint import Checkpointer
+    from podray import preemption
+    from podray.checkpoint import Checkpointer, CheckpointError, probe_writable
 
-    checkpointer = Checkpointer(run_dir / "checkpoints", keep=config.run.keep_checkpoints)
+    # Before anything compiles: a run directory this process cannot write (read-only, full, under a
+    # file) is a one-line error now rather than a failed save an hour in.
+    probe_writable(run_dir)
+    probe_writable(run_dir / "checkpoints", "checkpoint directory")
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=config.run.keep_checkpoints, is_leader=host.is_leader)
+    if resume:
+        checkpointer.check_config(config)  # a checkpoint of another config: the field, before compute
     sinks: list[Sink] = []
     if host.is_leader:
         storage.write_text(run_dir / "config.yaml", config_lib.dump_yaml(config))
         if resume:
-            # Rows past the checkpoint are replayed; with no checkpoint yet the run starts over.
-            truncate_jsonl(run_dir / "metrics.jsonl", checkpointer.latest_step() or 0)
+            # Rows past the checkpoint are replayed; with no checkpoint yet the run starts over. The
+            # checkpoint restored may be older than the latest when that one is damaged: cut again then.
+            metrics_path = run_dir / "metrics.jsonl"
+            truncate_jsonl(metrics_path, checkpointer.latest_step() or 0)
+            checkpointer.on_restored = lambda step: truncate_jsonl(metrics_path, step)
         sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
         if config.run.tensorboard:
             sinks.append(TensorBoardSink(run_dir / "tensorboard"))
@@ -103,9 +112,21 @@ def train(
     try:
         from podray.program import program_module
 
-        summary = program_module(config.architecture).run(
-            config, host, fanout, checkpointer=checkpointer, resume=resume, run_dir=str(run_dir)
-        )
+        with preemption.handle_signals():
+            summary = program_module(config.architecture).run(
+                config, host, fanout, checkpointer=checkpointer, resume=resume, run_dir=str(run_dir)
+            )
+    except preemption.Preempted as stopped:
+        stopped.run_dir = str(run_dir)
+        if host.is_leader:
+            event = {"event": "stopped", "signal": stopped.signal_name, "updates": stopped.updates}
+            event.update(env_steps=stopped.env_steps, signal_time=stopped.signal_time)
+            preemption.log_event(run_dir, event)
+        raise
+    except CheckpointError as failed:
+        if host.is_leader:
+            preemption.log_event(run_dir, {"event": "failed", "error": str(failed)})
+        raise
     finally:
         fanout.close()
         checkpointer.close()

@@ -132,6 +132,36 @@ def _dashboard_url(ray) -> str | None:
 # A group of host workers
 
 
+def _kill(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+_send_signal_fn = None
+
+
+def _send_signal():
+    """ray.remote(_kill), made once on first use (importing this module does not import Ray)."""
+    global _send_signal_fn
+    if _send_signal_fn is None:
+        import ray
+
+        _send_signal_fn = ray.remote(_kill)
+    return _send_signal_fn
+
+
+def _preempted(error: BaseException):
+    """The podray.preemption.Preempted a host worker raised (through Ray's RayTaskError), or None."""
+    from podray.preemption import Preempted
+
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, Preempted):
+        return cause
+    return error if type(error) is Preempted else None
+
+
 def _remote_worker():
     import ray
 
@@ -270,14 +300,31 @@ class HostGroup:
         import ray
         from ray.exceptions import RayActorError
 
+        from podray import preemption
+
         pending = list(refs)
+        forwarded = False
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            # Short waits: a signal to the driver (podray.preemption.STOP) is passed on to every host
+            # worker, which then stops at the same update boundary with a checkpoint (a preempted host
+            # worker takes the same path by itself).
+            done, pending = ray.wait(pending, num_returns=1, timeout=0.25)
+            if preemption.STOP.requested and not forwarded:
+                self.signal_workers(preemption.STOP.signum)
+                forwarded = True
+            if not done:
+                continue
             try:
                 ray.get(done[0])
             except RayActorError as dead:
                 raise HostLost(str(dead).splitlines()[0]) from dead
             except Exception as error:
+                if _preempted(error) is not None:
+                    # Every host stops at the same boundary: collect them all (their save is collective).
+                    ray.wait(pending, num_returns=len(pending), timeout=60.0) if pending else None
+                    raise _preempted(error) from None
+                # The other hosts fail soon after (their collectives lose a peer): look a few seconds
+                # for a dead actor, which says "host lost" rather than "bug in the program".
                 errors = [error]
                 ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s) if pending else ([], [])
                 for ref in ready:
@@ -295,6 +342,27 @@ class HostGroup:
                     raise HostLost(f"a host stalled: {stalled[0].cause}") from stalled[0]
                 raise
         return ray.get(refs)
+
+    def signal_workers(self, signum: int) -> None:
+        """Sends `signum` to every host worker's process: directly on this node, through a zero-CPU
+        task pinned to the worker's node elsewhere (what a preempted TPU host receives from its VM)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = ray.get_runtime_context().get_node_id()
+        remote = []
+        for node in self.nodes:
+            if node["node_id"] == here:
+                try:
+                    os.kill(node["pid"], signum)
+                except ProcessLookupError:
+                    pass
+            else:
+                strategy = NodeAffinitySchedulingStrategy(node["node_id"], soft=False)
+                send = _send_signal().options(num_cpus=0, scheduling_strategy=strategy)
+                remote.append(send.remote(node["pid"], signum))
+        if remote:
+            ray.get(remote, timeout=30)
 
     def stop(self) -> None:
         """Kills every worker and releases the placement (within seconds; no orphan process)."""
@@ -376,6 +444,8 @@ def _run_group(
     `placement` (placement group, first bundle index) places the workers in bundles the caller holds."""
     from ray.exceptions import RayActorError
 
+    from podray.preemption import STOP, Preempted
+
     restarts = 0
     run_dir = storage.run_path(run_dir)
     env = storage.storage_env() if storage.is_uri(run_dir) else None
@@ -386,7 +456,34 @@ def _run_group(
             group.initialize()
             if on_group is not None:
                 on_group(group)
-            results = group.train(config, str(run_dir), resume, tags, return_params)
+            try:
+                results = group.train(config, str(run_dir), resume, tags, return_params)
+            except Preempted as stopped:
+                if STOP.requested or restarts >= config.run.max_restarts:
+                    raise  # the driver was signalled (host 0 logged the stop): the run ends here
+                # A host worker was preempted by itself: it saved at the boundary every host agreed on,
+                # so the restart loses nothing.
+                restarts += 1
+                _log_event(
+                    run_dir,
+                    {
+                        "event": "restart",
+                        "restart": restarts,
+                        "error": str(stopped).split(";")[0],
+                        "reached_updates": stopped.updates,
+                        "resumed_from_updates": stopped.updates,
+                        "lost_updates": 0,
+                        "lost_env_steps": 0,
+                    },
+                )
+                say(
+                    f"podray: a host worker {str(stopped).split(';')[0]}; restart {restarts}/"
+                    f"{config.run.max_restarts} from its checkpoint (nothing lost)"
+                )
+                resume = True
+                group.stop()
+                group = None
+                continue
             _log_event(run_dir, {"event": "finish", "restarts": restarts, "env_steps": results[0]["env_steps"]})
             return results
         except (HostLost, RayActorError) as lost:  # also a host lost while joining the program
@@ -394,6 +491,16 @@ def _run_group(
             group.stop()
             group = None
             checkpoint = _latest_checkpoint(run_dir)
+            if STOP.requested:  # signalled before the workers could stop gracefully (start-up): no restart
+                last = _last_logged(run_dir)
+                _log_event(run_dir, {"event": "stopped", "signal": STOP.signal_name, "updates": checkpoint})
+                raise Preempted(
+                    STOP.signal_name,
+                    checkpoint,
+                    int(last.get("env_steps", 0)),
+                    str(run_dir / "checkpoints"),
+                    str(run_dir),
+                ) from None
             last = _last_logged(run_dir)
             reached = int(last.get("updates", last.get("step", 0)))
             resumed_from = checkpoint or 0
@@ -459,6 +566,9 @@ def train_on_ray(
     pin_driver_jax_to_cpu()
     validation.validate(config)
     storage.check_run_dir(base, "--run-dir")
+    from podray.checkpoint import probe_writable
+
+    probe_writable(base)  # a local directory, before Ray starts and anything compiles (each host worker probes too)
     seeds = config.run.seeds
     replicas = []
     for seed in seeds or [config.seed]:
@@ -469,7 +579,13 @@ def train_on_ray(
         base.mkdir(parents=True, exist_ok=True)
         storage.write_text(base / "config.yaml", config_lib.dump_yaml(config))
     hosts_needed = len(replicas) * (1 if config.run.tpu_topology else config.run.hosts)
+    from podray import preemption
+
     connection = connect(address, dashboard=dashboard, num_cpus=max(os.cpu_count() or 1, hosts_needed))
+    # After ray.init: our handlers replace Ray's absl failure-signal handler for SIGTERM/SIGINT (its
+    # native stack dump), and a signal becomes a graceful stop of every host worker.
+    signals = preemption.handle_signals()
+    signals.__enter__()
     try:
         say(where_line(connection))
         results: list[Any] = [None] * len(replicas)
@@ -498,7 +614,10 @@ def train_on_ray(
             keep_dashboard(connection.dashboard_url)
         return results
     finally:
-        if connection.started_here:
-            import ray
+        try:
+            if connection.started_here:
+                import ray
 
-            ray.shutdown()
+                ray.shutdown()
+        finally:
+            signals.__exit__(None, None, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pathlib
 import typing
 from typing import Any
@@ -54,6 +55,8 @@ def _number(where: str, value: Any, integer: bool = False) -> int | float:
             pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
     if integer:
         if float(value) != int(value):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
