@@ -150,6 +150,8 @@ def valid_overrides(draw) -> dict[str, typing.Any]:
         "run.seeds": seeds,
         "run.progress": draw(st.booleans()),
     }
+    if agent == "muzero":  # its gradient steps come from the replay, not from epochs x minibatches
+        out.update({"agent.epochs": 0, "agent.num_minibatches": 0})
     return out
 
 
