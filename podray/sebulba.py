@@ -409,6 +409,7 @@ def run_program(
             last = version == program.num_updates
             if report:
                 row = reporter.row(metrics, version, version * program.steps_per_update)
+                row["compile_s"] = compile_s
                 if not math.isnan(row["mean_return"]):
                     last_return = row["mean_return"]
                 if steady_start is None:
