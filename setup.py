@@ -30,6 +30,9 @@ setup(
         "pyyaml",
         "tensorboardX",
         "matplotlib",
+        "imageio>=2.30",  # podray eval --video: mp4 (through imageio-ffmpeg) and gif (through Pillow)
+        "imageio-ffmpeg>=0.5",  # ships an ffmpeg binary: mp4 without a system ffmpeg
+        "pygame>=2.5",  # gymnasium's classic-control renderer, which gymnax's renderer calls
     ],
     extras_require={
         "tpu": ["jax[tpu]"],

@@ -234,6 +234,7 @@ def run(
             mean_return=mean_return,
             episodes=float(metrics["episodes"].sum()),
             steps_per_s=steps_per_call / max(now - report_time, 1e-9),
+            compile_s=compile_s,
         )
         if steady_start is None:
             steady_start = now

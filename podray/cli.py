@@ -1,13 +1,16 @@
-"""The `podray` command: train, bench.
+"""The `podray` command: train, eval, plot, bench, tune.
 
   podray train [PRESET_OR_YAML] [--set section.field=value ...] [--run-dir DIR|URI] [--resume RUN_DIR]
-               [--address RAY_ADDRESS] [--dashboard] [--in-process]
+               [--address RAY_ADDRESS] [--dashboard] [--ray | --in-process]
   podray bench anakin|sebulba|ray [--out FILE] [--quick]
   podray bench sebulba-hosts|scale [--repeats R] [--out FILE] [--quick]
   podray bench sebulba [--torso T,..] [--batch B,..] [--threads N,..] [--split S,..] [--repeats R] [--seconds S]
   podray bench preempt [--trials 10] [--max-delay 10] [--out FILE]
   podray bench soak [--minutes 60] [--interval 60] [--out FILE] [--plot PNG]
   podray bench probe RUN_DIR [--step UPDATE] [--out FILE]
+  podray bench purejaxrl [--peer PATH] [--repeats R] [--only throughput|wall] [--envs 4,64] [--out FILE]
+  podray eval RUN_DIR [--step N] [--episodes N] [--greedy|--sample] [--video FILE.mp4|.gif] [--seed S]
+  podray plot RUN_DIR [RUN_DIR ...] --out FILE.png [--names A,B,..] [--title TEXT]
   podray tune STUDY_YAML [--set section.field=value ...] [--storage DIR] [--name NAME] [--address ADDR]
   podray tune --resume STUDY_DIR
 
@@ -18,6 +21,7 @@ field and the fix, with exit status 2, before anything compiles.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -39,22 +43,21 @@ def _train(args: argparse.Namespace) -> int:
         config = config_lib.load(args.preset, args.set, check=False)
         run_dir = args.run_dir
     r = config.run
-    # Every run goes through the Ray layer (an embedded local Ray unless --address / RAY_ADDRESS),
-    # except with --in-process, which runs the same train() here for quick single-host runs.
-    use_ray = not args.in_process
-    if args.in_process:
-        clustered = {
-            "--address": args.address,
-            "--dashboard": args.dashboard,
-            "run.hosts": r.hosts > 1,
-            "run.seeds": r.seeds,
-            "run.tpu_topology": r.tpu_topology,
-        }
-        used = [name for name, value in clustered.items() if value]
-        if used:
-            raise config_lib.ConfigError(
-                f"--in-process runs one host without Ray; drop {', '.join(used)} or drop --in-process"
-            )
+    # A run goes through the Ray layer only when it needs Ray (or --ray asks for it); otherwise the same
+    # train() a host worker calls runs here, without the ~7 s of starting and stopping a local Ray.
+    needs_ray = {
+        "--address": args.address,
+        "RAY_ADDRESS": not args.in_process and not args.address and os.environ.get("RAY_ADDRESS"),
+        "--dashboard": args.dashboard,
+        "run.hosts": r.hosts > 1,
+        "run.seeds": r.seeds,
+        "run.tpu_topology": r.tpu_topology,
+    }
+    reasons = [name for name, value in needs_ray.items() if value]
+    if args.in_process and (reasons or args.ray):
+        used = ", ".join(reasons + (["--ray"] if args.ray else []))
+        raise config_lib.ConfigError(f"--in-process runs one host without Ray; drop {used} or drop --in-process")
+    use_ray = args.ray or bool(reasons)
     if use_ray:
         from podray.cluster.driver import pin_driver_jax_to_cpu
 
@@ -70,15 +73,20 @@ def _train(args: argparse.Namespace) -> int:
     validation.validate(config)
     print(f"podray: run dir {run_dir}", flush=True)
     if not use_ray:
-        # The same train() a host worker calls, in this process, without the ~7 s of starting and
-        # stopping a local Ray (docs/operations.md). JAX starts only now, after the config is checked.
+        # JAX starts only now, after the config is checked.
         from podray.training import train
 
-        _print_summary(train(config, run_dir=run_dir, resume=bool(args.resume)).to_dict())
+        print(
+            "podray: running in this process (local; Ray is started only for --ray, --address, "
+            "--dashboard, run.hosts > 1, run.seeds or run.tpu_topology)",
+            flush=True,
+        )
+        _print_summary(train(config, run_dir=run_dir, resume=bool(args.resume)).to_dict(), "local")
         return 0
     # The Ray layer: host workers start JAX on the devices; this process only a CPU JAX (validation).
     from podray.cluster import train_on_ray
 
+    print(f"podray: running on Ray ({', '.join(reasons) if reasons else '--ray'})", flush=True)
     results = train_on_ray(
         config,
         run_dir=run_dir,
@@ -88,15 +96,15 @@ def _train(args: argparse.Namespace) -> int:
         keep_dashboard=_wait_for_interrupt if args.dashboard else None,
     )
     for result in results:
-        _print_summary(result)
+        _print_summary(result, "ray")
     return 0
 
 
-def _print_summary(summary: dict) -> None:
+def _print_summary(summary: dict, launcher: str) -> None:
     ret = summary["final_mean_return"]
     ret = float("nan") if ret is None else ret
     print(
-        f"done: final mean return {ret:.2f} | "
+        f"done ({launcher}): final mean return {ret:.2f} | "
         f"env steps {summary['env_steps']:,d} | wall {summary['wall_s']:.1f} s "
         f"(compile {summary['compile_s']:.1f} s) | {summary['steps_per_s']:,.0f} steps/s "
         f"({summary['steady_steps_per_s']:,.0f} steady) | run dir {summary['run_dir']}",
@@ -116,13 +124,13 @@ def _wait_for_interrupt(url: str) -> None:
         pass
 
 
-def _comma_list(flag: str, text: str | None, kind=str) -> list | None:
+def _comma_list(flag: str, text: str | None, kind=str, target: str = "sebulba") -> list | None:
     if text is None:
         return None
     try:
         return [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        message = f"bench sebulba: {flag} {text!r} is not a comma-separated list of integers"
+        message = f"bench {target}: {flag} {text!r} is not a comma-separated list of integers"
         raise config_lib.ConfigError(message) from None
 
 
@@ -132,14 +140,25 @@ def _bench(args: argparse.Namespace) -> int:
         raise config_lib.ConfigError(
             f"bench {args.target}: --torso/--batch/--threads/--split belong to 'podray bench sebulba'"
         )
-    if args.target not in ("sebulba", "sebulba-hosts", "scale") and args.repeats is not None:
+    if args.target not in ("sebulba", "sebulba-hosts", "scale", "purejaxrl") and args.repeats is not None:
         raise config_lib.ConfigError(
-            f"bench {args.target}: --repeats belongs to 'podray bench sebulba', 'sebulba-hosts' and 'scale'"
+            f"bench {args.target}: --repeats belongs to 'podray bench sebulba', 'sebulba-hosts', 'scale', 'purejaxrl'"
+        )
+    if args.target != "purejaxrl" and (args.peer is not None or args.only is not None or args.envs is not None):
+        raise config_lib.ConfigError(
+            f"bench {args.target}: --peer, --only and --envs belong to 'podray bench purejaxrl'"
         )
     if args.repeats is None:
-        args.repeats = 3 if args.target == "sebulba-hosts" else 1
+        args.repeats = 3 if args.target in ("sebulba-hosts", "purejaxrl") else 1
     if args.repeats < 1:
         raise config_lib.ConfigError(f"bench {args.target}: --repeats {args.repeats} must be >= 1")
+    if args.target == "purejaxrl":
+        from podray.bench import purejaxrl_compare
+
+        envs = tuple(_comma_list("--envs", args.envs, int, "purejaxrl") or (4, 64))
+        which = args.only or "all"
+        purejaxrl_compare.main(peer=args.peer, repeats=args.repeats, out=args.out, which=which, envs=envs)
+        return 0
     if args.target == "anakin":
         from podray.bench import anakin_bench
 
@@ -164,6 +183,7 @@ def _bench(args: argparse.Namespace) -> int:
         from podray import host
         from podray.bench import sebulba_bench
 
+        args.repeats = 1 if args.repeats is None else args.repeats
         if args.repeats < 1:
             raise config_lib.ConfigError(f"bench sebulba: --repeats {args.repeats} must be >= 1")
         if args.seconds <= 0:
@@ -204,9 +224,46 @@ def _bench(args: argparse.Namespace) -> int:
         probe.main(args.run_dir, out=args.out, frames=args.frames, step=args.step)
         return 0
     raise config_lib.ConfigError(
-        f"bench: unknown target '{args.target}'; choose anakin, sebulba, sebulba-hosts, scale, ray, soak, preempt "
-        "or probe"
+        f"bench: unknown target '{args.target}'; choose anakin, sebulba, sebulba-hosts, scale, ray, soak, preempt, "
+        "probe or purejaxrl"
     )
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from podray import evaluation
+
+    # Everything the command line can get wrong is checked before JAX compiles or an environment starts.
+    run_dir = args.run_dir
+    if run_dirs.is_uri(run_dir):
+        raise config_lib.ConfigError(f"eval {run_dir}: object-store run directories are not supported yet")
+    if not os.path.isdir(run_dir):
+        run_dir = run_dirs.existing(run_dir)  # a relative one: under $PODRAY_RUNS_ROOT when set
+    request = evaluation.check_request(
+        run_dir, step=args.step, episodes=args.episodes, greedy=args.greedy, video=args.video, seed=args.seed
+    )
+    print(
+        f"podray: evaluating {request.run_dir} at checkpoint {request.step}: {request.episodes} episodes, "
+        f"{'greedy' if request.greedy else 'sampled'} actions",
+        flush=True,
+    )
+    r = evaluation.evaluate(request)
+    steps = f" ({r.env_steps:,d} env steps)" if r.env_steps is not None else ""
+    print(
+        f"eval: {r.env} checkpoint {r.checkpoint_step}{steps}, {r.episodes} episodes, {r.policy}: "
+        f"mean {r.mean:.2f} std {r.std:.2f} min {r.min:.2f} max {r.max:.2f} | wall {r.wall_s:.1f} s"
+    )
+    print(f"wrote {request.run_dir / 'eval.json'}" + (f" and {r.video} ({r.video_frames} frames)" if r.video else ""))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from podray import plotting
+
+    plotting.check_out(args.out)
+    runs = plotting.load_runs(args.run_dirs, names=args.names)  # checked before matplotlib starts
+    plotting.plot_runs(runs, args.out, title=args.title)
+    print(f"wrote {args.out} ({len(runs)} runs: {', '.join(r.name for r in runs)})")
+    return 0
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -285,15 +342,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="start the Ray dashboard (127.0.0.1) with the local Ray, print its URL, keep it up after the run",
     )
     t.add_argument(
+        "--ray",
+        action="store_true",
+        help="run through the Ray layer (an embedded local Ray unless --address) even when the run does "
+        "not need it; without it Ray starts only for --address/RAY_ADDRESS, --dashboard, run.hosts > 1, "
+        "run.seeds or run.tpu_topology",
+    )
+    t.add_argument(
         "--in-process",
         action="store_true",
-        help="run a single host in this process, without starting Ray (quicker start-up, no dashboard)",
+        help="insist on this process: refuse the options that need Ray (the default already runs here "
+        "when the run needs no Ray); also ignores RAY_ADDRESS",
     )
     t.set_defaults(func=_train)
     b = sub.add_parser("bench", help="throughput benchmarks; 'probe RUN_DIR' looks inside a run's network")
     b.add_argument(
         "target",
-        choices=["anakin", "sebulba", "sebulba-hosts", "scale", "ray", "soak", "preempt", "probe"],
+        choices=["anakin", "sebulba", "sebulba-hosts", "scale", "ray", "soak", "preempt", "probe", "purejaxrl"],
         help="what to benchmark",
     )
     b.add_argument("run_dir", nargs="?", default=None, help="probe: the run directory (its latest checkpoint)")
@@ -319,9 +384,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeats",
         type=int,
         default=None,
-        help="sebulba, sebulba-hosts, scale: runs of every setting, interleaved (default 1; sebulba-hosts 3)",
+        help="sebulba, sebulba-hosts, scale: runs of every setting, interleaved (default 1; sebulba-hosts 3); "
+        "purejaxrl: alternated rounds (default 3)",
     )
+    b.add_argument(
+        "--peer",
+        default=None,
+        metavar="PATH",
+        help="purejaxrl: a PureJaxRL checkout or git directory (default: cloned at run time into the cache)",
+    )
+    b.add_argument("--only", choices=["throughput", "wall"], default=None, help="purejaxrl: one of the two comparisons")
+    b.add_argument("--envs", default=None, help="purejaxrl: environments on the one device to compare at (4,64)")
     b.set_defaults(func=_bench)
+    e = sub.add_parser("eval", help="play a run's trained policy: real scores (eval.json) and a video")
+    e.add_argument("run_dir", help="the run directory (its config.yaml and checkpoints)")
+    e.add_argument("--step", type=int, default=None, help="the checkpoint (update count) to play; default the latest")
+    e.add_argument("--episodes", type=int, default=10, help="episodes to play, each on its own environment (10)")
+    policy = e.add_mutually_exclusive_group()
+    policy.add_argument("--greedy", action="store_true", help="take the most probable action")
+    policy.add_argument(
+        "--sample", dest="greedy", action="store_false", help="sample the policy's actions (the default)"
+    )
+    e.add_argument("--video", default=None, metavar="FILE", help="record one more episode to FILE.mp4 or FILE.gif")
+    e.add_argument("--seed", type=int, default=0, help="seed of the evaluation environments and sampled actions")
+    e.set_defaults(func=_eval)
+    pl = sub.add_parser("plot", help="learning curves and throughput of one or more runs, overlaid, as a PNG")
+    pl.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (their metrics.jsonl) or metrics .jsonl files"
+    )
+    pl.add_argument("--out", required=True, help="the PNG to write")
+    pl.add_argument("--names", default=None, help="comma-separated legend names (default the directories' names)")
+    pl.add_argument("--title", default=None, help="a title above the panels")
+    pl.set_defaults(func=_plot)
     u = sub.add_parser("tune", help="run a Ray Tune study from tune_configs/ (docs/operations.md, Tuning)")
     u.add_argument("study", nargs="?", default=None, help="study YAML (tune_configs/NAME.yaml or a name there)")
     u.add_argument(

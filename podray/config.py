@@ -275,6 +275,12 @@ class RunConfig:
     ray.util.tpu and place one host worker per TPU host; empty means CPU/GPU host workers."""
     tpu_version: str = ""
     """TPU generation of run.tpu_topology (e.g. v4, v5e, v5p, v6e)."""
+    compile_cache: str = "auto"
+    """JAX's persistent compilation cache, so that a second run of the same program loads its compiled
+    executables instead of compiling them: 'auto' is $PODRAY_COMPILE_CACHE when set, else
+    $XDG_CACHE_HOME/podray/jax (~/.cache/podray/jax); 'off' disables it; anything else is the directory.
+    An entry's key covers the program, the jaxlib version, the backend and its version, the devices
+    and the XLA flags, so an entry from another version or device set is never read."""
 
 
 @dataclass

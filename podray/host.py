@@ -163,3 +163,50 @@ def compiler_options(devices: Sequence) -> dict[str, str] | None:
     if devices and all(d.platform == "cpu" for d in devices) and _cpu_options_supported():
         return dict(CPU_COMPILER_OPTIONS)
     return None
+
+
+COMPILE_CACHE_ENV = "PODRAY_COMPILE_CACHE"
+"""Environment variable naming the compile cache directory ('off' disables it) where run.compile_cache
+is 'auto'."""
+
+
+def compile_cache_dir(setting: str) -> str | None:
+    """The directory run.compile_cache names ('auto', 'off' or a path); None when the cache is off."""
+    import os
+    import pathlib
+
+    if setting == "auto":
+        setting = os.environ.get(COMPILE_CACHE_ENV, "")
+        if not setting:
+            base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+            setting = os.path.join(base, "podray", "jax")
+    if setting == "off":
+        return None
+    return str(pathlib.Path(setting).expanduser().resolve())
+
+
+def configure_compile_cache(setting: str) -> str | None:
+    """Points JAX's persistent compilation cache at compile_cache_dir(setting) (or turns it off) for
+    the compilations that follow in this process; returns the directory or None.
+
+    Every executable is cached whatever its compile time or size (JAX's defaults skip those compiled
+    in under 1 s, which are most of a small run's programs). JAX decides once per process whether the
+    cache is in use, at its first compilation (importing gymnax already compiles), so a change resets
+    that decision. JAX keys an entry by the program's HLO, the jaxlib version, the backend platform and
+    its version, the devices' kinds and topology, the compile options and the XLA flags: an executable
+    from another jaxlib, backend or device set is never loaded."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    path = compile_cache_dir(setting)
+    current = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
+    if path is not None:
+        import pathlib
+
+        pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    if path != current:
+        jax.config.update("jax_enable_compilation_cache", path is not None)
+        jax.config.update("jax_compilation_cache_dir", path)
+        compilation_cache.reset_cache()
+    return path

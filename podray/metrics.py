@@ -31,10 +31,12 @@ class Sink(Protocol):
 
 
 class ConsoleProgress:
-    """A live progress line: env steps, steps/s and mean episode return."""
+    """A live progress line: where the run runs ('local' or 'ray'), env steps, steps/s, mean episode
+    return and the compile time of the run's program."""
 
-    def __init__(self, total_steps: int, stream=None):
+    def __init__(self, total_steps: int, stream=None, label: str = "local"):
         self.total_steps = total_steps
+        self.label = label
         self.stream = stream or sys.stdout
         self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
 
@@ -48,6 +50,9 @@ class ConsoleProgress:
             line += f"  frames/s {metrics['frames_per_s']:>11,.0f}"
         if metrics.get("hosts", 1) > 1:
             line += f"  ({int(metrics['hosts'])} hosts, slowest {metrics.get('slowest_host_frames_per_s', 0.0):,.0f})"
+        line = f"[{self.label}] {line}"
+        if "compile_s" in metrics:
+            line += f"  (compiled in {metrics['compile_s']:.1f} s)"
         if self._tty:
             self.stream.write("\r" + line)
         else:

@@ -415,6 +415,7 @@ def run_program(
             program.params.publish(state.train.params, version)
             if report:
                 row = reporter.row(metrics, version, version * program.steps_per_update)
+                row["compile_s"] = compile_s
                 if not math.isnan(row["mean_return"]):
                     last_return = row["mean_return"]
                 if steady_start is None:

@@ -58,6 +58,7 @@ def train(
     host=None,
     extra_sinks: Sequence[Sink] = (),
     host_sinks: Sequence[Sink] = (),
+    launcher: str = "local",
 ):
     """Trains with `config`, writing to `run_dir`; returns the architecture's Summary.
 
@@ -70,11 +71,15 @@ def train(
       host: a podray.host.HostContext; None means this process and config.run.devices.
       extra_sinks: more metric sinks (Ray Tune), fed on process 0 only.
       host_sinks: sinks fed on every process (each tags its own host: Ray's dashboard metrics).
+      launcher: how this process was started, shown on the progress line: 'local' (this process) or
+        'ray' (a host worker of the Ray layer).
     """
     run_dir = storage.run_path(run_dirs.resolve(config, run_dir))
     storage.check_run_dir(run_dir, "run_dir")
     validation.validate(config)
     from podray import host as host_lib
+
+    host_lib.configure_compile_cache(config.run.compile_cache)  # before this run compiles anything
 
     if host is None:
         host_lib.configure_cpu_devices(config.run.cpu_devices)
@@ -105,7 +110,7 @@ def train(
         if config.run.tensorboard:
             sinks.append(TensorBoardSink(run_dir / "tensorboard"))
         if config.run.progress:
-            sinks.append(ConsoleProgress(config.total_env_steps * config.anakin.replicas))
+            sinks.append(ConsoleProgress(config.total_env_steps * config.anakin.replicas, label=launcher))
         sinks.extend(extra_sinks)
     sinks.extend(host_sinks)
     fanout = Sinks(sinks)

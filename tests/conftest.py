@@ -4,6 +4,8 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Runs of the suite (and the commands it starts) compile afresh; tests of the cache give their own.
+os.environ.setdefault("PODRAY_COMPILE_CACHE", "off")
 
 import pytest  # noqa: E402
 

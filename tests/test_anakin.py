@@ -150,14 +150,14 @@ def _podray(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_default_cli_job_end_to_end(tmp_path):
-    """`podray train` with the default preset (through an embedded Ray), shortened, writes the whole run
-    directory and leaves no Ray running."""
+    """`podray train` with the default preset (in this process: it needs no Ray), shortened, writes the
+    whole run directory."""
     run = tmp_path / "run"
     proc = _podray(
         "train", "--run-dir", str(run), "--set", "total_env_steps=51200", "--set", "anakin.updates_per_call=25"
     )
     assert proc.returncode == 0, proc.stderr
-    assert "done: final mean return" in proc.stdout
+    assert "done (local): final mean return" in proc.stdout
     assert "env steps" in proc.stdout and "steps/s" in proc.stdout
     summary = json.loads((run / "summary.json").read_text())
     assert summary["env_steps"] == 51200 and summary["steps_per_s"] > 0
@@ -176,3 +176,48 @@ def test_default_cli_job_end_to_end(tmp_path):
     assert [row["env_steps"] for row in read_jsonl(run / "metrics.jsonl")][-2:] == [51200, 102400]
     proc = _podray("train", "--resume", str(run), "--set", "agent.learning_rate=1e-3", timeout=60)
     assert proc.returncode == 2 and "agent.learning_rate: cannot be changed when resuming" in proc.stderr
+
+
+def test_compile_cache_second_run_loads_instead_of_compiling(tmp_path):
+    """With run.compile_cache set, a second run of the same config loads its executables from the cache
+    (counted: compilations that did not come from the cache) and logs the same metrics; 'off' turns
+    the cache off again."""
+    from podray.host import configure_compile_cache
+
+    backend_compiles, cache_hits = [], []
+
+    def on_duration(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            backend_compiles.append(event)
+
+    def on_event(event, **kwargs):
+        if event == "/jax/compilation_cache/cache_hits":
+            cache_hits.append(event)
+
+    cache = tmp_path / "cache"
+    config = config_lib.load(
+        "anakin_cartpole",
+        ["total_env_steps=5120", "anakin.updates_per_call=2", "run.tensorboard=false", "run.progress=false"]
+        + [f"run.compile_cache={cache}"],
+    )
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
+    compiled = []
+    try:
+        for name in ("first", "second"):
+            before = len(backend_compiles) - len(cache_hits)
+            summary = train(config, run_dir=tmp_path / name)
+            compiled.append(len(backend_compiles) - len(cache_hits) - before)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+        jax.monitoring.unregister_event_listener(on_event)
+        assert configure_compile_cache("off") is None
+    assert any(cache.iterdir())
+    assert compiled[0] >= 2 and compiled[1] == 0, compiled  # the init and the training call at least
+    assert cache_hits and summary.compile_s > 0
+    timing = {"time", "steps_per_s", "compile_s"}
+    first, second = (
+        [{k: v for k, v in row.items() if k not in timing} for row in read_jsonl(tmp_path / name / "metrics.jsonl")]
+        for name in ("first", "second")
+    )
+    assert len(first) == 2 and first == second  # 4 fake devices x 4 envs x 128 steps, 2 updates a call

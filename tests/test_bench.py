@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_anakin_quick_writes_rows(tmp_path):
     out = tmp_path / "bench.json"
@@ -106,4 +108,32 @@ def test_bench_sebulba_flags_are_checked_before_anything_runs(capsys):
         assert cli.main(["bench", "sebulba", *argv]) == 2
         assert message in capsys.readouterr().err
     assert cli.main(["bench", "anakin", "--repeats", "3"]) == 2
-    assert "belongs to 'podray bench sebulba'" in capsys.readouterr().err
+    assert "--repeats belongs to 'podray bench sebulba'" in capsys.readouterr().err
+    assert cli.main(["bench", "anakin", "--peer", "x"]) == 2
+    assert "--peer, --only and --envs belong to 'podray bench purejaxrl'" in capsys.readouterr().err
+
+
+def test_purejaxrl_peer_is_edited_at_run_time_not_vendored(tmp_path):
+    """The comparison reads the peer from a path and writes an edited copy elsewhere: gymnax 1.x's
+    six-value step unpacked in FlattenObservationWrapper, brax/navix imports made optional."""
+    from podray.bench import purejaxrl_compare
+
+    peer = tmp_path / "peer" / "purejaxrl"
+    peer.mkdir(parents=True)
+    (peer / "ppo.py").write_text("from wrappers import LogWrapper\n")
+    wrappers = (
+        "import jax.numpy as jnp\nfrom brax import envs\nimport navix as nx\n"
+        "class FlattenObservationWrapper:\n    def step(self, key, state, action, params=None):\n"
+        + purejaxrl_compare._STEP_5
+        + "        return obs, state, reward, done, info\n"
+    )
+    (peer / "wrappers.py").write_text(wrappers)
+    out = purejaxrl_compare.prepare_peer(str(tmp_path / "peer"))
+    edited = (out / "wrappers.py").read_text()
+    assert "terminated, truncated, info = self._env.step" in edited
+    assert "done = jnp.logical_or(terminated, truncated)" in edited
+    assert "except ImportError:\n    nx = None" in edited and "except ImportError:\n    envs = None" in edited
+    assert (peer / "wrappers.py").read_text() == wrappers  # the peer itself is left as it is
+    (peer / "wrappers.py").write_text("class FlattenObservationWrapper:\n    pass\n")
+    with pytest.raises(SystemExit, match="not the one this script edits"):
+        purejaxrl_compare.prepare_peer(str(tmp_path / "peer"))

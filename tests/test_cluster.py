@@ -201,16 +201,17 @@ def _processes_with(tag: str) -> list[int]:
     return pids
 
 
-def test_cli_starts_and_stops_its_own_local_ray(tmp_path):
-    """`podray train` without a cluster starts a local Ray and leaves no process behind (only the
-    processes of this command are looked at: they carry a tag in their environment)."""
+def _train_watched(run_dir: pathlib.Path, *flags: str) -> tuple[str, str, int]:
+    """Runs `podray train` (shortened) as from a user's shell, in a fresh process; returns its stdout,
+    stderr and the most processes seen at once that carry its tag (set in its environment, so that only
+    this command's processes, Ray's included, are counted). Fails if any outlives it by 15 s."""
     tag = f"PODRAY_TEST_TAG={uuid.uuid4().hex}"
     # As from a user's shell: no cluster address, no fake-device flag of this test session.
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "XLA_FLAGS")}
     env[tag.split("=")[0]] = tag.split("=")[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "podray.cli", "train", "--run-dir", str(tmp_path / "run")]
-        + ["--set", "total_env_steps=25600", "--set", "run.tensorboard=false"],
+        [sys.executable, "-m", "podray.cli", "train", *flags, "--run-dir", str(run_dir)]
+        + ["--set", "total_env_steps=25600", "anakin.updates_per_call=5", "run.tensorboard=false"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -223,23 +224,44 @@ def test_cli_starts_and_stops_its_own_local_ray(tmp_path):
             found = _processes_with(tag)
             if len(found) > len(during):
                 during[:] = found
-            time.sleep(0.5)
+            time.sleep(0.2)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    out, err = proc.communicate(timeout=240)
+    out, err = proc.communicate(timeout=480)  # Ray start-up on a loaded 2-core machine can take minutes
     watcher.join()
     assert proc.returncode == 0, err
-    assert "done: final mean return" in out
-    assert "HostWorker" in out + err  # the run went through a Ray host worker
-    assert len(during) >= 3  # the command, Ray's own processes, the host worker
     # Ray's processes get their signal as the command exits and need a moment to go (over a second on
     # a loaded machine); a leaked one would still be there after the deadline.
     deadline = time.monotonic() + 15.0
     while _processes_with(tag) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _processes_with(tag) == [], "processes of this podray train outlived it by 15 s"
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["env_steps"] == 25600
+    return out, err, len(during)
+
+
+def test_cli_runs_in_process_unless_ray_is_asked_for_with_the_same_result(tmp_path):
+    """`podray train` of a run that needs no Ray starts no Ray (one process from start to end); with
+    --ray it starts a local Ray, runs through a host worker and leaves no process behind; both runs of
+    the same seed log the same metrics."""
+    out, err, processes = _train_watched(tmp_path / "local")
+    assert "done (local): final mean return" in out
+    assert "[local] env steps" in out and "compiled in" in out
+    assert processes == 1, f"{processes} processes: the default job started more than itself"
+    assert "HostWorker" not in out + err
+
+    out, err, processes = _train_watched(tmp_path / "ray", "--ray")
+    assert "done (ray): final mean return" in out
+    assert "HostWorker" in out + err  # the run went through a Ray host worker
+    assert processes >= 3  # the command, Ray's own processes, the host worker
+    assert json.loads((tmp_path / "ray" / "summary.json").read_text())["env_steps"] == 25600
+
+    timing = {"time", "steps_per_s", "compile_s"}
+    rows = [
+        [{k: v for k, v in row.items() if k not in timing} for row in read_jsonl(tmp_path / name / "metrics.jsonl")]
+        for name in ("local", "ray")
+    ]
+    assert len(rows[0]) == 10 and rows[0] == rows[1]
 
 
 @pytest.mark.parametrize(
@@ -257,3 +279,22 @@ def test_cli_starts_and_stops_its_own_local_ray(tmp_path):
 def test_bad_cluster_fields_are_named(override, field):
     with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
         config_lib.load(None, override.split())
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--ray"], "--ray"),
+        (["--dashboard"], "--dashboard"),
+        (["--address", "auto"], "--address"),
+        (["--set", "run.hosts=2"], "run.hosts"),
+        (["--set", "run.seeds=[0,1]"], "run.seeds"),
+    ],
+)
+def test_in_process_refuses_what_needs_ray_before_anything_starts(flags, named, capsys, compile_counter):
+    from podray import cli
+
+    assert cli.main(["train", "--in-process", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--in-process runs one host without Ray; drop {named}" in err and len(err.splitlines()) == 1
+    assert compile_counter == []

@@ -106,7 +106,9 @@ class HostWorker:
         config = config_lib.from_dict(config_dict)
         host = host_lib.local_context(config.run.devices)
         tags = dict(metric_tags, host=str(host.process_index))
-        summary = train(config, run_dir=run_dir, resume=resume, host=host, host_sinks=[RayMetricsSink(tags)])
+        summary = train(
+            config, run_dir=run_dir, resume=resume, host=host, host_sinks=[RayMetricsSink(tags)], launcher="ray"
+        )
         out = summary.to_dict()
         out["process_index"] = host.process_index
         out["global_devices"] = len(host.devices)

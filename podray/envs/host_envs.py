@@ -45,6 +45,8 @@ class HostEnvOptions:
       stack_num: frames stacked in one observation (Atari).
       max_episode_steps: time limit in agent steps; 0 keeps envpool's default.
       num_threads: envpool worker threads; 0 lets envpool choose.
+      render_mode: envpool's render mode: 'rgb_array' makes HostEnv.render return frames (Atari: the
+        game's colour screen at 210x160); empty renders nothing.
     """
 
     episodic_life: bool = True
@@ -55,6 +57,7 @@ class HostEnvOptions:
     stack_num: int = 4
     max_episode_steps: int = 0
     num_threads: int = 0
+    render_mode: str = ""
 
     @classmethod
     def from_config(cls, env) -> HostEnvOptions:
@@ -190,6 +193,8 @@ class HostEnv:
         kwargs = dict(num_envs=num_envs, batch_size=self.batch_size, seed=seed, num_threads=options.num_threads)
         if options.max_episode_steps:
             kwargs["max_episode_steps"] = options.max_episode_steps
+        if options.render_mode:
+            kwargs["render_mode"] = options.render_mode
         if self.atari:
             if options.noop_max < 1:
                 raise ValueError("noop_max must be >= 1: envpool 1.2 crashes (segfault) on reset with noop_max=0")
@@ -261,6 +266,10 @@ class HostEnv:
             episode_return=np.where(game_over, returns, 0.0).astype(np.float32),
             episode_done=game_over,
         )
+
+    def render(self, env_id: int = 0) -> np.ndarray:
+        """The current screen of environment `env_id`, [H, W, 3] uint8 RGB (needs render_mode='rgb_array')."""
+        return self._env.render(env_ids=[env_id])[0]
 
     def close(self) -> None:
         """Stops envpool's worker threads (idempotent)."""
