@@ -234,9 +234,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     # Everything the command line can get wrong is checked before JAX compiles or an environment starts.
     run_dir = args.run_dir
-    if run_dirs.is_uri(run_dir):
-        raise config_lib.ConfigError(f"eval {run_dir}: object-store run directories are not supported yet")
-    if not os.path.isdir(run_dir):
+    if not run_dirs.is_uri(run_dir) and not os.path.isdir(run_dir):
         run_dir = run_dirs.existing(run_dir)  # a relative one: under $PODRAY_RUNS_ROOT when set
     request = evaluation.check_request(
         run_dir, step=args.step, episodes=args.episodes, greedy=args.greedy, video=args.video, seed=args.seed

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from podray import config as config_lib
+from podray import storage
 
 VIDEO_SUFFIXES = (".mp4", ".gif")
 
@@ -44,7 +45,7 @@ class EvalRequest:
       seed: seed of the evaluation environments and of sampled actions.
     """
 
-    run_dir: pathlib.Path
+    run_dir: storage.Path
     config: config_lib.Config
     step: int
     episodes: int
@@ -78,13 +79,9 @@ class EvalResult:
     wall_s: float
 
 
-def checkpoint_steps(run_dir: pathlib.Path) -> list[int]:
-    """The steps of the complete checkpoints of a run (orbax names each one's directory by its step and
-    writes it under a temporary name until it is complete)."""
-    directory = run_dir / "checkpoints"
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+def checkpoint_steps(run_dir) -> list[int]:
+    """The steps of the complete checkpoints of a run, local or on an object store (storage.step_dirs)."""
+    return storage.step_dirs(storage.run_path(run_dir) / "checkpoints")
 
 
 def check_request(
@@ -98,7 +95,8 @@ def check_request(
     """Checks a request without starting JAX's compiler or any environment; ConfigError names the fix."""
     from podray.training import load_run_config
 
-    run_dir = pathlib.Path(run_dir)
+    storage.check_run_dir(run_dir, "eval")  # an object store: its filesystem, bucket and credentials
+    run_dir = storage.run_path(run_dir)
     if episodes < 1:
         raise config_lib.ConfigError(f"eval --episodes {episodes}: must be >= 1")
     video_path = None
@@ -108,7 +106,7 @@ def check_request(
             raise config_lib.ConfigError(
                 f"eval --video {video}: the file must end in {' or '.join(VIDEO_SUFFIXES)} (the format follows it)"
             )
-    if not (run_dir / "config.yaml").exists():
+    if storage.read_text(run_dir / "config.yaml") is None:
         raise config_lib.ConfigError(f"eval {run_dir}: no config.yaml there; give the directory of a podray run")
     config = load_run_config(run_dir, check=False)
     steps = checkpoint_steps(run_dir)
@@ -124,7 +122,7 @@ def check_request(
     return EvalRequest(run_dir, config, step, episodes, greedy, video_path, seed)
 
 
-def restore_params(run_dir: pathlib.Path, step: int, architecture: str, device=None) -> tuple[Any, dict]:
+def restore_params(run_dir, step: int, architecture: str, device=None) -> tuple[Any, dict]:
     """The agent parameters of checkpoint `step` on one device, and the checkpoint's metadata.
 
     The state is restored into the shapes the checkpoint records, on `device` (default: the first local
@@ -134,7 +132,9 @@ def restore_params(run_dir: pathlib.Path, step: int, architecture: str, device=N
     import orbax.checkpoint as ocp
 
     device = device or jax.local_devices()[0]
-    item = (run_dir / "checkpoints" / str(step)).resolve()  # orbax wants absolute paths
+    item = storage.run_path(run_dir) / "checkpoints" / str(step)  # absolute, or a URI
+    if storage.scheme(item) == "s3":
+        storage.enable_orbax_s3()
     checkpointer = ocp.StandardCheckpointer()
     metadata = checkpointer.metadata(item / "state")
     tree = getattr(metadata, "item_metadata", metadata)
@@ -147,7 +147,8 @@ def restore_params(run_dir: pathlib.Path, step: int, architecture: str, device=N
     if architecture == "anakin":
         params = jax.tree.map(lambda x: x[0], params)  # [R, ...] -> replica 0
     meta_file = item / "meta" / "metadata"
-    meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    text = storage.read_text(meta_file)
+    meta = json.loads(text) if text is not None else {}
     return params, meta
 
 
@@ -389,5 +390,5 @@ def evaluate(request: EvalRequest) -> EvalResult:
         wall_s=time.perf_counter() - start,
     )
     clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(result).items()}
-    (request.run_dir / "eval.json").write_text(json.dumps(clean, indent=2) + "\n")
+    storage.write_text(request.run_dir / "eval.json", json.dumps(clean, indent=2) + "\n")
     return result

@@ -177,6 +177,11 @@ def test_multi_host_run_on_s3_loses_a_host_resumes_and_the_driver_reads_the_summ
     assert [r["updates"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [upc * (i + 1) for i in range(5)]
     assert [e["event"] for e in read_jsonl(run_dir / "run_log.jsonl")][-2:] == ["start", "finish"]
 
+    # `podray eval s3://...` plays the last checkpoint from the store and writes eval.json there.
+    assert cli.main(["eval", uri, "--episodes", "2", "--greedy"]) == 0
+    result = json.loads(storage.read_text(run_dir / "eval.json"))
+    assert result["episodes"] == 2 and result["checkpoint_step"] == 5 * upc
+
 
 class _InterruptOnce(tune.Callback):
     """Interrupts the study (as Ctrl+C does) after `after` results, once (the marker survives the
