@@ -46,20 +46,10 @@ class CheckpointError(RuntimeError):
 _SHAPE_FIELDS = ("architecture", "env.", "network.", "agent.name", "agent.optimizer", "anakin.replicas")
 
 
-def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in data.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def config_mismatch(saved: dict, config: config_lib.Config) -> tuple[str, Any, Any] | None:
     """The first field (dotted path, saved value, run's value) whose difference changes the shapes of
     the saved state, or None when the checkpoint fits `config`."""
-    a, b = _flatten(saved), _flatten(config.to_dict())
+    a, b = config_lib.flatten(saved), config_lib.flatten(config.to_dict())
     for key in sorted(set(a) | set(b)):
         if not key.startswith(_SHAPE_FIELDS) or key not in a or key not in b:
             continue  # a field of a newer podray is absent from an older checkpoint: not a mismatch

@@ -476,6 +476,17 @@ def nest(dotted: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def flatten(nested: typing.Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'network': {'depth': 2}} -> {'network.depth': 2}: the inverse of `nest`."""
+    out: dict[str, Any] = {}
+    for key, value in nested.items():
+        if isinstance(value, typing.Mapping):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     out = dict(a)
     for k, v in b.items():

@@ -193,16 +193,3 @@ def make_search(config: SearchConfig, model: Model, num_actions: int):
 def policy_entropy(policy: chex.Array) -> chex.Array:
     """Entropy [...] of probability vectors [..., A] (0 * log 0 taken as 0)."""
     return -jnp.sum(jnp.where(policy > 0, policy * jnp.log(jnp.where(policy > 0, policy, 1.0)), 0.0), axis=-1)
-
-
-__all__ = [
-    "Model",
-    "ModelOutput",
-    "POLICIES",
-    "SearchOutput",
-    "VALUE_NORMALIZATIONS",
-    "make_search",
-    "policy_entropy",
-    "qtransform_by_tree_min_max",
-    "temperature_at",
-]

@@ -217,17 +217,7 @@ def stage_checkpoint(run_dir: storage.PathLike, step: int, info: dict, into: pat
 
 def config_changes(old: config_lib.Config, new: config_lib.Config) -> dict[str, list]:
     """Dotted field -> [old, new] for every field that differs, run.* excluded."""
-
-    def flat(d: Mapping, prefix: str = "") -> dict[str, Any]:
-        out = {}
-        for k, v in d.items():
-            if isinstance(v, Mapping):
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[f"{prefix}{k}"] = v
-        return out
-
-    a, b = flat(old.to_dict()), flat(new.to_dict())
+    a, b = config_lib.flatten(old.to_dict()), config_lib.flatten(new.to_dict())
     return {
         k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not k.startswith("run.")
     }
