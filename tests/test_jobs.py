@@ -278,7 +278,7 @@ def test_ray_job_submit_with_token_auth_keeps_its_outputs(tmp_path):
         assert jobs[0].returncode == 0, done[-4000:] + done_err[-2000:]
         assert f"podray: run dir {runs_root}{os.sep}anakin_cartpole-" in done
         assert f":{gcs} | dashboard http://127.0.0.1:{dash} | job raysubmit_" in done
-        assert "done: final mean return" in done
+        assert "done (ray): final mean return" in done
         caches = list(temp_dir.glob("session_*/runtime_resources/working_dir_files/*"))
         assert caches  # the job ran in Ray's copy of the working directory
     finally:
