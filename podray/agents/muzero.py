@@ -205,24 +205,21 @@ class MuZero(Agent):
         self.optimizer = self._make_optimizer()
         self.capacity = r.capacity // num_devices
         self.batch_size = r.batch_size // num_devices
+        common = dict(
+            max_length=self.capacity,
+            min_length=1,
+            sample_batch_size=self.batch_size,
+            add_sequences=True,
+            add_batches=True,
+        )
         if r.sampling == "prioritized":
             self.buffer = flashbax.make_prioritised_item_buffer(
-                max_length=self.capacity,
-                min_length=1,
-                sample_batch_size=self.batch_size,
-                add_sequences=True,
-                add_batches=True,
+                **common,
                 priority_exponent=r.priority_exponent,
                 device="tpu" if jax.default_backend() == "tpu" else "cpu",
             )
         else:
-            self.buffer = flashbax.make_item_buffer(
-                max_length=self.capacity,
-                min_length=1,
-                sample_batch_size=self.batch_size,
-                add_sequences=True,
-                add_batches=True,
-            )
+            self.buffer = flashbax.make_item_buffer(**common)
         self.search = make_search(s, Model(root=self._root, recurrent=self._recurrent, discount=config.discount), A)
 
     # ---- the model, as the search sees it ------------------------------------------------------------

@@ -145,15 +145,14 @@ def make_search(config: SearchConfig, model: Model, num_actions: int):
     ) -> SearchOutput:
         root_out = model.root(params, obs)
         root = mctx.RootFnOutput(prior_logits=root_out.prior_logits, value=root_out.value, embedding=root_out.latent)
+        common = dict(num_simulations=config.num_simulations, invalid_actions=invalid_actions, max_depth=max_depth)
         if config.policy == "gumbel":
             out = mctx.gumbel_muzero_policy(
                 params,
                 key,
                 root,
                 recurrent_fn,
-                num_simulations=config.num_simulations,
-                invalid_actions=invalid_actions,
-                max_depth=max_depth,
+                **common,
                 qtransform=functools.partial(mctx.qtransform_completed_by_mix_value, rescale_values=True),
                 max_num_considered_actions=min(config.max_num_considered_actions, num_actions),
                 gumbel_scale=config.gumbel_scale,
@@ -164,9 +163,7 @@ def make_search(config: SearchConfig, model: Model, num_actions: int):
                 key,
                 root,
                 recurrent_fn,
-                num_simulations=config.num_simulations,
-                invalid_actions=invalid_actions,
-                max_depth=max_depth,
+                **common,
                 qtransform=qtransform,
                 dirichlet_fraction=config.dirichlet_fraction,
                 dirichlet_alpha=config.dirichlet_alpha,
