@@ -6,7 +6,8 @@
   podray bench sebulba-hosts|scale [--repeats R] [--out FILE] [--quick]
   podray bench sebulba [--torso T,..] [--batch B,..] [--threads N,..] [--split S,..] [--repeats R] [--seconds S]
   podray bench preempt [--trials 10] [--max-delay 10] [--out FILE]
-  podray bench soak [--minutes 60] [--interval 60] [--out FILE] [--plot PNG]
+  podray bench soak [--minutes 60] [--interval 60] [--out FILE] [--plot PNG] [--runs NAMES] [--keep DIR]
+                    [--set KEY=VALUE ...]
   podray bench probe RUN_DIR [--step UPDATE] [--out FILE]
   podray bench purejaxrl [--peer PATH] [--repeats R] [--only throughput|wall] [--envs 4,64] [--out FILE]
   podray eval RUN_DIR [--step N] [--episodes N] [--greedy|--sample] [--video FILE.mp4|.gif] [--seed S]
@@ -148,6 +149,8 @@ def _bench(args: argparse.Namespace) -> int:
         raise config_lib.ConfigError(
             f"bench {args.target}: --peer, --only and --envs belong to 'podray bench purejaxrl'"
         )
+    if args.target != "soak" and (args.runs is not None or args.keep is not None or args.set):
+        raise config_lib.ConfigError(f"bench {args.target}: --runs, --keep and --set belong to 'podray bench soak'")
     if args.repeats is None:
         args.repeats = 3 if args.target in ("sebulba-hosts", "purejaxrl") else 1
     if args.repeats < 1:
@@ -210,9 +213,30 @@ def _bench(args: argparse.Namespace) -> int:
             raise config_lib.ConfigError(
                 f"bench soak: --minutes {args.minutes} and --interval {args.interval} must be > 0"
             )
+        from podray import validation
         from podray.bench import soak_bench
 
-        soak_bench.main(minutes=args.minutes, interval_s=args.interval, out=args.out, plot_path=args.plot)
+        runs = tuple(name.strip() for name in args.runs.split(",") if name.strip()) if args.runs else tuple(
+            soak_bench.RUNS
+        )
+        unknown = [name for name in runs if name not in soak_bench.RUNS]
+        if unknown or not runs:
+            raise config_lib.ConfigError(
+                f"bench soak: --runs {args.runs!r} names {', '.join(unknown) or 'nothing'}; "
+                f"choose from {','.join(soak_bench.RUNS)}"
+            )
+        for name in runs:  # every override is checked against every run's preset before anything starts
+            preset, *own = soak_bench.RUNS[name]
+            validation.validate(config_lib.load(preset, [*soak_bench.COMMON, *own, *args.set]))
+        soak_bench.main(
+            minutes=args.minutes,
+            interval_s=args.interval,
+            out=args.out,
+            plot_path=args.plot,
+            runs=runs,
+            keep=args.keep,
+            overrides=tuple(args.set),
+        )
         return 0
     if args.target == "probe":
         if not args.run_dir:
@@ -370,6 +394,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--interval", type=float, default=60.0, help="soak: seconds between samples")
     b.add_argument("--plot", default=None, help="soak: write the plot (PNG) to this file")
+    b.add_argument("--runs", default=None, help="soak: which runs, comma-separated (sebulba_pong,anakin_minatar)")
+    b.add_argument("--keep", default=None, metavar="DIR", help="soak: keep the run directories under DIR")
+    b.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="soak: config overrides for every run, after the soak's own (e.g. total_env_steps=2500000)",
+    )
     b.add_argument("--trials", type=int, default=10, help="preempt: SIGTERM trials (modes in turn)")
     b.add_argument("--max-delay", type=float, default=10.0, help="preempt: most seconds after the first row")
     b.add_argument("--quick", action="store_true", help="a shorter sweep (for smoke tests)")

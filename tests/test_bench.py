@@ -111,6 +111,45 @@ def test_bench_sebulba_flags_are_checked_before_anything_runs(capsys):
     assert "--repeats belongs to 'podray bench sebulba'" in capsys.readouterr().err
     assert cli.main(["bench", "anakin", "--peer", "x"]) == 2
     assert "--peer, --only and --envs belong to 'podray bench purejaxrl'" in capsys.readouterr().err
+    assert cli.main(["bench", "anakin", "--set", "seed=1"]) == 2
+    assert "--runs, --keep and --set belong to 'podray bench soak'" in capsys.readouterr().err
+    for argv, message in (
+        (["--runs", "pong"], "--runs 'pong' names pong; choose from sebulba_pong,anakin_minatar"),
+        (["--set", "sebulba.queue_size=0"], "sebulba.queue_size"),
+        (["--minutes", "0"], "--minutes 0.0 and --interval 60.0 must be > 0"),
+    ):
+        assert cli.main(["bench", "soak", *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_ray_dashboard_gauges_carry_frames_and_env_steps_apart(monkeypatch):
+    """podray_frames_per_s carries frames (Atari: 4 per env step), podray_env_steps_per_s env steps;
+    a JAX environment's run, which reports no frames, shows its env steps as frames."""
+    import ray.util.metrics
+
+    from podray.cluster import metrics
+
+    set_values: dict[str, float] = {}
+
+    class FakeGauge:
+        def __init__(self, name, description, tag_keys):
+            self.name = name
+
+        def set(self, value, tags):
+            assert set(tags) == set(metrics.TAG_KEYS)
+            set_values[self.name] = value
+
+    monkeypatch.setattr(ray.util.metrics, "Gauge", FakeGauge)
+    sink = metrics.RayMetricsSink({"run": "r", "host": "0"})
+    sink.write(10, {"steps_per_s": 100.0, "frames_per_s": 400.0, "queue_occupancy": 1.5, "updates": 10})
+    assert set_values["podray_env_steps_per_s"] == 100.0
+    assert set_values["podray_frames_per_s"] == 400.0
+    assert set_values["podray_queue_occupancy"] == 1.5
+    assert "podray_policy_lag" not in set_values  # Sebulba reports its own
+    set_values.clear()
+    sink.write(20, {"steps_per_s": 50.0, "updates": 20})
+    assert set_values["podray_frames_per_s"] == 50.0
+    assert set_values["podray_policy_lag"] == 0.0
 
 
 def test_purejaxrl_peer_is_edited_at_run_time_not_vendored(tmp_path):

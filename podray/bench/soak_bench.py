@@ -65,12 +65,16 @@ def slope_per_hour(times_s: list[float], values: list[float]) -> float:
     return sum((t - mt) * (v - mv) for t, v in zip(times_s, values)) / var * 3600.0
 
 
-def soak(name: str, minutes: float, interval_s: float, workdir: str) -> dict:
-    """Runs one configuration for `minutes` in a fresh `podray train --in-process`, sampling it."""
+def soak(name: str, minutes: float, interval_s: float, workdir: str, extra: tuple[str, ...] = ()) -> dict:
+    """Runs one configuration for `minutes` in a fresh `podray train --in-process`, sampling it.
+
+    `extra` overrides come last, so they win over the soak's own (a finite total_env_steps makes the
+    run end by itself, and the soak then covers the run's whole length).
+    """
     preset, *overrides = RUNS[name]
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"soak-{name}-", dir=workdir))
     cmd = [sys.executable, "-m", "podray.cli", "train", preset, "--in-process", "--run-dir", str(run_dir)]
-    cmd += ["--set", *COMMON, *overrides]
+    cmd += ["--set", *COMMON, *overrides, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     samples: list[dict] = []
     start = time.monotonic()
@@ -107,6 +111,8 @@ def soak(name: str, minutes: float, interval_s: float, workdir: str) -> dict:
     mean_rss = sum(rss) / len(rss) if rss else 0.0
     result = {
         "name": name,
+        "run_dir": str(run_dir),
+        "overrides": [*COMMON, *overrides, *extra],
         "minutes": minutes,
         "interval_s": interval_s,
         "warmup_s": warmup,
@@ -152,11 +158,26 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(minutes: float = 60.0, interval_s: float = 60.0, out: str | None = None, plot_path: str | None = None) -> list:
+def main(
+    minutes: float = 60.0,
+    interval_s: float = 60.0,
+    out: str | None = None,
+    plot_path: str | None = None,
+    runs: tuple[str, ...] = tuple(RUNS),
+    keep: str | None = None,
+    overrides: tuple[str, ...] = (),
+) -> list:
+    """`keep`: a directory to hold the run directories afterwards (default: a temporary one, deleted)."""
+    unknown = [name for name in runs if name not in RUNS]
+    if unknown:
+        raise ValueError(f"bench soak: --runs {','.join(unknown)} unknown; choose from {', '.join(RUNS)}")
     results = []
-    with tempfile.TemporaryDirectory(prefix="podray-soak-") as workdir:
-        for name in RUNS:
-            r = soak(name, minutes, interval_s, workdir)
+    if keep:
+        pathlib.Path(keep).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="podray-soak-") as tmp:
+        workdir = keep or tmp
+        for name in runs:
+            r = soak(name, minutes, interval_s, workdir, tuple(overrides))
             results.append(r)
             queue = f" | queue max {r['queue_max_seen']:.0f} of {r['queue_bound']}" if "queue_bound" in r else ""
             print(
@@ -164,7 +185,7 @@ def main(minutes: float = 60.0, interval_s: float = 60.0, out: str | None = None
                 f"RSS {r['rss_mb_mean']:.0f} MB, {r['rss_pct_per_hour']:+.2f} %/h | threads "
                 f"{r['threads_per_hour']:+.2f}/h {r['threads_range']} | fds {r['fds_per_hour']:+.2f}/h "
                 f"{r['fds_range']}{queue} | exit {r['exit_status']} after {r['stop_s'] or 0:.0f} s: "
-                f"{r['stopped_line']}",
+                f"{r['stopped_line']}" + (f" | run dir {r['run_dir']}" if keep else ""),
                 flush=True,
             )
     if out:

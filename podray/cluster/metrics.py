@@ -17,15 +17,26 @@ from typing import Mapping
 
 # metric name on the dashboard -> (key in the program's metrics, description)
 GAUGES = {
-    "podray_frames_per_s": ("steps_per_s", "Environment steps per second (all devices of all hosts of the run)"),
+    "podray_env_steps_per_s": ("steps_per_s", "Environment steps per second (all devices of all hosts of the run)"),
+    "podray_frames_per_s": (
+        "frames_per_s",
+        "Frames per second, all hosts (Atari: env steps x frame skip; JAX environments: env steps)",
+    ),
     "podray_learner_steps_per_s": ("learner_steps_per_s", "Learner updates per second"),
     "podray_episode_return": ("mean_return", "Mean return of the episodes completed in the last interval"),
     "podray_policy_lag": ("policy_lag", "Parameter versions between acting and learning (0 for Anakin)"),
-    "podray_queue_occupancy": ("queue_occupancy", "Fill of the actor-to-learner queue, 0..1 (Sebulba)"),
+    "podray_queue_occupancy": (
+        "queue_occupancy",
+        "Mean length of the actor-to-learner queue over the last report, in trajectories; its bound is "
+        "sebulba.queue_size (Sebulba)",
+    ),
     "podray_env_steps": ("env_steps", "Environment steps so far"),
     "podray_host_frames_per_s": ("host_frames_per_s", "Frames per second of this host's actors (Sebulba)"),
     "podray_host_policy_lag": ("host_policy_lag", "Mean policy lag of the trajectories this host's learner took"),
-    "podray_host_queue_occupancy": ("host_queue_occupancy", "Mean fill of this host's actor-to-learner queue"),
+    "podray_host_queue_occupancy": (
+        "host_queue_occupancy",
+        "Mean length of this host's actor-to-learner queue, in trajectories",
+    ),
     "podray_host_learner_wait": (
         "host_learner_wait_fraction",
         "Fraction of time this host's learner waited for trajectories (its actors, or a slower host)",
@@ -56,6 +67,7 @@ class RayMetricsSink:
         self._last = (now, updates)
         if "policy_lag" not in values and "queue_occupancy" not in values:
             values["policy_lag"] = 0.0  # Anakin acts and learns on the same parameters
+        values.setdefault("frames_per_s", values.get("steps_per_s"))  # one frame per step: JAX environments
         for name, (key, _) in GAUGES.items():
             value = values.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
