@@ -216,8 +216,10 @@ def _bench(args: argparse.Namespace) -> int:
         from podray import validation
         from podray.bench import soak_bench
 
-        runs = tuple(name.strip() for name in args.runs.split(",") if name.strip()) if args.runs else tuple(
-            soak_bench.RUNS
+        runs = (
+            tuple(name.strip() for name in args.runs.split(",") if name.strip())
+            if args.runs
+            else tuple(soak_bench.RUNS)
         )
         unknown = [name for name in runs if name not in soak_bench.RUNS]
         if unknown or not runs:
