@@ -4,7 +4,8 @@
                [--address RAY_ADDRESS] [--dashboard] [--ray | --in-process]
   podray bench anakin|sebulba|ray [--out FILE] [--quick]
   podray bench sebulba-hosts|scale [--repeats R] [--out FILE] [--quick]
-  podray bench sebulba [--torso T,..] [--batch B,..] [--threads N,..] [--split S,..] [--repeats R] [--seconds S]
+  podray bench sebulba [--agent impala|muzero] [--simulations 8,16,50] [--torso T,..] [--batch B,..] [--threads N,..]
+                       [--split S,..] [--repeats R] [--seconds S] [--out FILE] [--quick]
   podray bench preempt [--trials 10] [--max-delay 10] [--out FILE]
   podray bench soak [--minutes 60] [--interval 60] [--out FILE] [--plot PNG] [--runs NAMES] [--keep DIR]
                     [--set KEY=VALUE ...]
@@ -136,10 +137,11 @@ def _comma_list(flag: str, text: str | None, kind=str, target: str = "sebulba") 
 
 
 def _bench(args: argparse.Namespace) -> int:
-    sebulba_only = {"--torso": args.torso, "--batch": args.batch, "--threads": args.threads, "--split": args.split}
-    if args.target != "sebulba" and any(v is not None for v in sebulba_only.values()):
+    sebulba_only = (args.agent, args.simulations, args.torso, args.batch, args.threads, args.split)
+    if args.target != "sebulba" and any(v is not None for v in sebulba_only):
         raise config_lib.ConfigError(
-            f"bench {args.target}: --torso/--batch/--threads/--split belong to 'podray bench sebulba'"
+            f"bench {args.target}: --agent/--simulations/--torso/--batch/--threads/--split belong to "
+            "'podray bench sebulba'"
         )
     if args.target not in ("sebulba", "sebulba-hosts", "scale", "purejaxrl") and args.repeats is not None:
         raise config_lib.ConfigError(
@@ -192,7 +194,9 @@ def _bench(args: argparse.Namespace) -> int:
         if args.seconds <= 0:
             raise config_lib.ConfigError(f"bench sebulba: --seconds {args.seconds} must be > 0")
         sweep = sebulba_bench.select(
-            sebulba_bench.QUICK_SWEEP if args.quick else sebulba_bench.FULL_SWEEP,
+            agent=args.agent,
+            quick=args.quick,
+            simulations=_comma_list("--simulations", args.simulations, int),
             torso=_comma_list("--torso", args.torso),
             actor_batch_size=_comma_list("--batch", args.batch, int),
             threads_per_actor_device=_comma_list("--threads", args.threads, int),
@@ -409,6 +413,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-delay", type=float, default=10.0, help="preempt: most seconds after the first row")
     b.add_argument("--quick", action="store_true", help="a shorter sweep (for smoke tests)")
     b.add_argument("--seconds", type=float, default=20.0, help="sebulba: seconds of steady state per setting")
+    b.add_argument(
+        "--agent",
+        default=None,
+        help="sebulba: impala (default) or muzero (the sebulba_muzero_pong preset, Gumbel search)",
+    )
+    b.add_argument(
+        "--simulations",
+        default=None,
+        help="sebulba --agent muzero: search simulations to sweep (default 8,16,50; --quick 16)",
+    )
     b.add_argument("--torso", default=None, help="sebulba: torsos to sweep, e.g. nature_cnn,impala_resnet")
     b.add_argument("--batch", default=None, help="sebulba: actor batch sizes to sweep, e.g. 32,64,128")
     b.add_argument("--threads", default=None, help="sebulba: threads per actor device to sweep, e.g. 1,2,4")

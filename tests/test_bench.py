@@ -37,6 +37,38 @@ def test_bench_sebulba_measures_one_small_setting():
         assert getattr(row, name) > 0, name
     assert row.learner_updates >= 3
     assert abs(row.efficiency - row.frames_per_s / row.ceiling_frames_per_s) < 1e-9
+    assert row.agent == "impala" and row.simulations == 0 and row.gradient_steps == 1.0
+
+
+def test_bench_sebulba_measures_one_small_muzero_setting():
+    """The MuZero path end to end on a tiny network: the search is the inference component, and the
+    learner component is measured with the replay past min_size (its updates take gradient steps)."""
+    import math
+
+    from podray import host
+
+    host.configure_cpu_devices_if_not_started(4)
+    from podray.bench import sebulba_bench
+
+    tiny = ("network.width=32", "replay.capacity=256", "replay.min_size=72", "replay.batch_size=8")
+    row = sebulba_bench.measure(
+        "nature_cnn", 4, 1, "1+1", agent="muzero", simulations=2, rollout_length=6, learner_batch=4,
+        min_seconds=0.5, overrides=tiny,
+    )  # fmt: skip
+    assert (row.agent, row.simulations, row.actor_batch_size, row.learner_batch_size) == ("muzero", 2, 4, 4)
+    assert row.setting.startswith("muzero sims=2 nature_cnn B=4 L=4")
+    rates = ("env_steps_per_s", "inference_steps_per_s", "learner_steps_per_s", "ceiling_steps_per_s")
+    rates += ("measured_steps_per_s", "frames_per_s", "ceiling_frames_per_s", "inference_frames_per_s", "efficiency")
+    for name in rates:
+        value = getattr(row, name)
+        assert math.isfinite(value) and value > 0, (name, value)
+    # the replay fills (72 transitions) in 3 updates of 4 x 6 before the timed ones, which take
+    # round(0.5 x 24 / 8) = 2 gradient steps each
+    assert row.gradient_steps == 2.0
+    assert row.learner_updates >= 3 and math.isfinite(row.policy_lag)
+    bound = 1 / (1 / row.env_steps_per_s + 1 / row.inference_steps_per_s + 1 / row.learner_steps_per_s)
+    assert abs(row.ceiling_steps_per_s - bound) < 1e-9 * bound
+    assert abs(row.efficiency - row.measured_steps_per_s / bound) < 1e-9
 
 
 def test_learning_curve_plot_titles_itself_from_the_run_config(tmp_path, monkeypatch):
@@ -63,11 +95,12 @@ def _row(batch, frames, threads=1, **rates):
     values = dict(env_steps_per_s=7000.0, inference_steps_per_s=10000.0, learner_steps_per_s=4000.0)
     values.update(rates)
     return sebulba_bench.Row(
-        setting=f"nature_cnn B={batch} L=32 threads={threads} split=1+1", torso="nature_cnn",
+        setting=f"nature_cnn B={batch} L=32 threads={threads} split=1+1", agent="impala", simulations=0,
+        torso="nature_cnn",
         actor_batch_size=batch, learner_batch_size=32, threads_per_actor_device=threads, split="1+1",
         ceiling_steps_per_s=0.0, measured_steps_per_s=steps, frames_per_s=frames, ceiling_frames_per_s=0.0,
         env_frames_per_s=0.0, inference_frames_per_s=0.0, learner_frames_per_s=0.0, efficiency=0.0,
-        policy_lag=1.0, learner_updates=10, measure_s=20.0, load_avg_1m=2.0, **values,
+        policy_lag=1.0, learner_updates=10, gradient_steps=1.0, measure_s=20.0, load_avg_1m=2.0, **values,
     )  # fmt: skip
 
 
@@ -104,9 +137,16 @@ def test_bench_sebulba_flags_are_checked_before_anything_runs(capsys):
         (["--batch", "32,x"], "--batch '32,x' is not a comma-separated list of integers"),
         (["--threads", "0"], "--threads takes positive integers"),
         (["--repeats", "0"], "--repeats 0 must be >= 1"),
+        (["--agent", "ppo"], "--agent ppo is not one of impala, muzero"),
+        (["--simulations", "8"], "--simulations belongs to --agent muzero"),
+        (["--agent", "muzero", "--simulations", "0,8"], "--simulations takes positive integers"),
+        (["--agent", "muzero", "--simulations", "8,x"], "--simulations '8,x' is not a comma-separated list"),
+        (["--agent", "muzero", "--batch", "3"], "sebulba.learner_batch_size: 8 must be a multiple or a divisor"),
     ):
         assert cli.main(["bench", "sebulba", *argv]) == 2
         assert message in capsys.readouterr().err
+    assert cli.main(["bench", "anakin", "--agent", "muzero"]) == 2
+    assert "--agent/--simulations/--torso/--batch/--threads/--split belong to" in capsys.readouterr().err
     assert cli.main(["bench", "anakin", "--repeats", "3"]) == 2
     assert "--repeats belongs to 'podray bench sebulba'" in capsys.readouterr().err
     assert cli.main(["bench", "anakin", "--peer", "x"]) == 2

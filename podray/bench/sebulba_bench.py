@@ -1,20 +1,24 @@
-"""`podray bench sebulba`: frames/s of Sebulba IMPALA on Pong-v5 against what its parts allow.
+"""`podray bench sebulba`: frames/s of Sebulba IMPALA or MuZero on Pong-v5 against what its parts allow.
 
-For each setting (torso, actor batch size, threads per actor device, actor/learner device split) it
-measures, in the same process:
+For each setting (agent, search simulations, torso, actor batch size, threads per actor device,
+actor/learner device split) it measures, in the same process:
   - env:       raw envpool throughput of one actor batch with random actions (env steps/s);
   - inference: the jitted policy at the actor batch on an actor device, host copies in and out
-               included (env steps/s);
-  - learner:   the compiled learner step on a synthetic learner batch (env steps/s);
+               included (env steps/s); for MuZero the policy is the search, so this is the search's
+               own ceiling;
+  - learner:   the compiled learner step on a synthetic learner batch (env steps/s); for MuZero the
+               update (add to the replay, then its gradient steps on samples), with the replay filled
+               past replay.min_size first, so that every measured update takes its gradient steps;
   - measured:  the whole Sebulba pipeline, env steps the learner consumed per second, after warm-up.
 Where all three share the same CPU cores, the best rate a pipeline can reach is the sequential bound
 1 / (1/env + 1/inference + 1/learner) (every env step costs all three, on the same cores); with an
 accelerator it is the slowest of the three. Efficiency = measured / bound. Frames = 4 x env steps
 (Atari frame skip).
 
-The learner batch is fixed (LEARNER_BATCH trajectories; an actor trajectory larger than that is cut
-into pieces) while the actor batch is swept, so that every setting does the same learner work per
-sample; the rollout length is 20 (IMPALA's).
+IMPALA: the learner batch is fixed (LEARNER_BATCH trajectories; an actor trajectory larger than that
+is cut into pieces) while the actor batch is swept, so that every setting does the same learner work
+per sample; the rollout length is 20 (IMPALA's). MuZero: every setting is the sebulba_muzero_pong
+preset (Gumbel search, its batches, rollout and replay) at a number of search simulations.
 
 With `repeats` > 1 every setting is measured that many times, in rounds that go over all settings
 (alternate rounds in reverse order, so that a drift in the machine's speed touches every setting
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import pathlib
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -37,13 +42,24 @@ import numpy as np
 # what the actor batch changes, with the learner in the same regime at every setting.
 LEARNER_BATCH = 32
 
+# Each agent's preset, and the learner batch and rollout length of every setting (None: the preset's).
+AGENTS = {"impala": ("sebulba_pong", LEARNER_BATCH, 20), "muzero": ("sebulba_muzero_pong", None, None)}
+SIMULATIONS = [8, 16, 50]
+"""MuZero's search simulations swept by default (--quick: 16, the preset's)."""
+
+# A sweep: the values of every axis; its settings are their product, in this order.
+AXES = ("agent", "simulations", "torso", "actor_batch_size", "threads_per_actor_device", "split")
 FULL_SWEEP = {
+    "agent": ["impala"],
+    "simulations": [0],  # no search
     "torso": ["nature_cnn", "impala_resnet"],
     "actor_batch_size": [32, 64, 128],
     "threads_per_actor_device": [1, 2, 4],
     "split": ["1+1", "1+2"],
 }
 QUICK_SWEEP = {
+    "agent": ["impala"],
+    "simulations": [0],
     "torso": ["nature_cnn"],
     "actor_batch_size": [32, 64, 128],
     "threads_per_actor_device": [2],
@@ -52,11 +68,38 @@ QUICK_SWEEP = {
 SPLITS = {"1+1": ([0], [1]), "1+2": ([0], [1, 2]), "2+2": ([0, 1], [2, 3])}
 
 
+def sweep_for(agent: str, quick: bool = False) -> dict:
+    """The default sweep of an agent: IMPALA's FULL_SWEEP or QUICK_SWEEP; MuZero's preset setting at
+    SIMULATIONS (quick: the preset's own count)."""
+    if agent == "impala":
+        return QUICK_SWEEP if quick else FULL_SWEEP
+    from podray import config as config_lib
+
+    config = config_lib.load(AGENTS[agent][0])
+    s = config.sebulba
+    split = next(name for name, devices in SPLITS.items() if devices == (s.actor_devices, s.learner_devices))
+    return {
+        "agent": [agent],
+        "simulations": [config.search.num_simulations] if quick else list(SIMULATIONS),
+        "torso": [config.network.torso],
+        "actor_batch_size": [s.actor_batch_size],
+        "threads_per_actor_device": [s.threads_per_actor_device],
+        "split": [split],
+    }
+
+
+def settings(sweep: dict) -> list[tuple]:
+    """Every setting of a sweep, as tuples in the order of AXES."""
+    return list(itertools.product(*(sweep[axis] for axis in AXES)))
+
+
 @dataclass
 class Row:
     """One setting's measurements (rates in env steps/s unless named frames)."""
 
     setting: str
+    agent: str
+    simulations: int  # search simulations per action (0: no search)
     torso: str
     actor_batch_size: int
     learner_batch_size: int
@@ -75,15 +118,32 @@ class Row:
     efficiency: float
     policy_lag: float
     learner_updates: int
+    gradient_steps: float  # per learner update: the fewest of the learner ceiling's timed updates
     measure_s: float
     load_avg_1m: float
     repeats: int = 1
     frames_per_s_runs: list[float] = field(default_factory=list)
 
 
-def _config(torso: str, batch: int, threads: int, split: str, env: str, rollout_length: int, learner_batch: int):
+def _config(
+    agent: str,
+    simulations: int,
+    torso: str,
+    batch: int,
+    threads: int,
+    split: str,
+    env: str = "Pong-v5",
+    rollout_length: int | None = None,
+    learner_batch: int | None = None,
+    overrides: tuple[str, ...] = (),
+):
+    """The setting's config: the agent's preset with the setting, then `overrides`; validated (a
+    ConfigError names the field)."""
     from podray import config as config_lib
 
+    preset, preset_learner_batch, preset_rollout_length = AGENTS[agent]
+    learner_batch = learner_batch or preset_learner_batch
+    rollout_length = rollout_length or preset_rollout_length
     actors, learners = SPLITS[split]
     overrides = [
         f"env.name={env}",
@@ -92,18 +152,19 @@ def _config(torso: str, batch: int, threads: int, split: str, env: str, rollout_
         f"sebulba.learner_devices={learners}",
         f"sebulba.threads_per_actor_device={threads}",
         f"sebulba.actor_batch_size={batch}",
-        f"sebulba.learner_batch_size={learner_batch}",
-        f"sebulba.rollout_length={rollout_length}",
+        *([f"sebulba.learner_batch_size={learner_batch}"] if learner_batch else []),
+        *([f"sebulba.rollout_length={rollout_length}"] if rollout_length else []),
+        *([f"search.num_simulations={simulations}"] if agent == "muzero" else []),
         "sebulba.queue_size=2",
         "agent.epochs=1",
         "agent.num_minibatches=1",  # one step per learner batch, as in the sweeps recorded in docs/benchmarks.md
         "sebulba.max_policy_lag=1000",
         "sebulba.timeout_s=600",
         "run.cpu_devices=0",
+        *(["network.depth=2", "network.width=256"] if torso == "impala_resnet" else []),
+        *overrides,
     ]
-    if torso == "impala_resnet":
-        overrides += ["network.depth=2", "network.width=256"]
-    return config_lib.load("sebulba_pong", overrides)
+    return config_lib.load(preset, overrides)
 
 
 def _median_rate(fn, work: int, repeats: int) -> float:
@@ -148,6 +209,8 @@ def _inference_ceiling(program, state, batch: int, calls: int = 10) -> float:
 
 
 def _learner_ceiling(program, state, repeats: int):
+    """(env steps/s of the learner step, its gradient steps per update, the state after it)."""
+    from podray import config as config_lib
     from podray.actors import Rollout
 
     s = program.config.sebulba
@@ -166,14 +229,37 @@ def _learner_ceiling(program, state, repeats: int):
         return jax.device_put(x, a.sharding)
 
     rollouts = [Rollout(jax.tree.map(fake, abstract), 0, 0) for _ in range(program.learner.k)]
-    holder = [state]
+    holder = [state, None]
+    timed: list = []  # the metrics of the timed updates
 
     def run():
-        holder[0], metrics = program.learner_step(holder[0], rollouts)
-        jax.block_until_ready(metrics)
+        holder[0], holder[1] = program.learner_step(holder[0], rollouts)
+        jax.block_until_ready(holder[1])
+
+    def gradient_steps(metrics) -> float:
+        # An agent that replays says how many gradient steps its update took (none before its replay
+        # holds replay.min_size transitions); the others take epochs x minibatches.
+        if "gradient_steps" in metrics:
+            return float(jax.device_get(metrics["gradient_steps"]))
+        epochs, minibatches = config_lib.sgd_schedule(program.config.agent)
+        return float(epochs * minibatches)
+
+    def timed_run():
+        run()
+        timed.append(holder[1])
 
     run()  # warm-up
-    return _median_rate(run, program.steps_per_update, repeats), holder[0]
+    # Fill a replay past replay.min_size first (with the same synthetic batches), so that every timed
+    # update takes its gradient steps.
+    for _ in range(math.ceil(program.config.replay.min_size / program.steps_per_update)):
+        if gradient_steps(holder[1]) > 0:
+            break
+        run()
+    rate = _median_rate(timed_run, program.steps_per_update, repeats)
+    steps = min(gradient_steps(metrics) for metrics in timed)
+    if not steps > 0:
+        raise RuntimeError(f"bench sebulba: a timed learner update took {steps} gradient steps (replay not filled?)")
+    return rate, steps, holder[0]
 
 
 def _pipeline(program, state, warmup_updates: int, min_updates: int, min_seconds: float):
@@ -207,27 +293,37 @@ def measure(
     threads: int,
     split: str,
     env: str = "Pong-v5",
-    rollout_length: int = 20,
+    rollout_length: int | None = None,
     min_seconds: float = 20.0,
     learner_batch: int | None = None,
+    agent: str = "impala",
+    simulations: int = 0,
+    overrides: tuple[str, ...] = (),
 ) -> Row:
-    """Measures one setting (see the module docstring); the learner batch is LEARNER_BATCH unless given."""
+    """Measures one setting (see the module docstring).
+
+    The learner batch and rollout length are the agent's (AGENTS) unless given; `simulations` is
+    MuZero's search.num_simulations; `overrides` (section.field=value) apply last.
+    """
     import os
 
     from podray.host import local_context
     from podray.sebulba import SebulbaProgram
 
-    learner_batch = learner_batch or LEARNER_BATCH
-    config = _config(torso, batch, threads, split, env, rollout_length, learner_batch)
+    config = _config(agent, simulations, torso, batch, threads, split, env, rollout_length, learner_batch, overrides)
+    learner_batch = config.sebulba.learner_batch_size
     program = SebulbaProgram(config, local_context())
     state = program.learner.initial_state(0)
     program.compile(state)
     env_rate = _env_ceiling(program, batch)
     inference_rate = _inference_ceiling(program, state, batch)
-    learner_rate, state = _learner_ceiling(program, state, repeats=3)
+    learner_rate, gradient_steps, state = _learner_ceiling(program, state, repeats=3)
     measured, lag, updates, elapsed = _pipeline(program, state, 2, 3, min_seconds)
+    search = f"{agent} sims={simulations} " if agent != "impala" else ""
     return Row(
-        setting=f"{torso} B={batch} L={learner_batch} threads={threads} split={split}",
+        setting=f"{search}{torso} B={batch} L={learner_batch} threads={threads} split={split}",
+        agent=agent,
+        simulations=simulations if agent != "impala" else 0,
         torso=torso,
         actor_batch_size=batch,
         learner_batch_size=learner_batch,
@@ -236,6 +332,7 @@ def measure(
         **_rates(env_rate, inference_rate, learner_rate, measured, program.frame_skip),
         policy_lag=lag,
         learner_updates=updates,
+        gradient_steps=gradient_steps,
         measure_s=elapsed,
         load_avg_1m=os.getloadavg()[0],
     )
@@ -261,53 +358,66 @@ def _rates(env: float, inference: float, learner: float, measured: float, frame_
 
 
 def _table(rows: list[Row]) -> str:
+    width = max([50, *(len(r.setting) for r in rows)])
     head = (
-        f"{'setting':<50} {'frames/s':>9} {'bound':>9} {'eff':>5} {'env f/s':>9} {'infer f/s':>10} "
+        f"{'setting':<{width}} {'frames/s':>9} {'bound':>9} {'eff':>5} {'env f/s':>9} {'infer f/s':>10} "
         f"{'learn f/s':>10} {'lag':>5} {'load':>5}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.setting:<50} {r.frames_per_s:>9,.0f} {r.ceiling_frames_per_s:>9,.0f} {r.efficiency:>5.0%} "
+            f"{r.setting:<{width}} {r.frames_per_s:>9,.0f} {r.ceiling_frames_per_s:>9,.0f} {r.efficiency:>5.0%} "
             f"{r.env_frames_per_s:>9,.0f} {r.inference_frames_per_s:>10,.0f} {r.learner_frames_per_s:>10,.0f} "
             f"{r.policy_lag:>5.1f} {r.load_avg_1m:>5.1f}"
         )
     return "\n".join(lines)
 
 
+def _x_and_line(row: Row) -> tuple[int, tuple]:
+    """Where a row sits in the plot and in rise(): its x (the search simulations for an agent that
+    searches, else the actor batch size) and the line it belongs to (the other axes)."""
+    if row.simulations:
+        line = (row.agent, row.torso, row.actor_batch_size, row.threads_per_actor_device, row.split)
+        return row.simulations, line
+    return row.actor_batch_size, (row.agent, row.torso, 0, row.threads_per_actor_device, row.split)
+
+
+def _line_name(line: tuple) -> str:
+    agent, torso, batch, threads, split = line
+    return f"{agent} {torso}" + (f" B={batch}" if batch else "") + f" threads={threads} split={split}"
+
+
 def plot(rows: list[Row], path: str | pathlib.Path) -> None:
-    """frames/s (solid; dots: the runs of a repeated setting) and the sequential bound (dashed) against
-    actor batch size: one panel per torso, one line per (threads, split)."""
+    """frames/s (solid; dots: the runs of a repeated setting) and the sequential bound (dashed): one
+    panel per agent and torso, against actor batch size (IMPALA; one line per threads and split) or
+    against search simulations (MuZero; one line per actor batch, threads and split)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    torsos = sorted({r.torso for r in rows})
-    fig, axes = plt.subplots(1, len(torsos), figsize=(6 * len(torsos), 4.5), squeeze=False)
-    for ax, torso in zip(axes[0], torsos):
+    panels = sorted({(r.agent, r.torso) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (agent, torso) in zip(axes[0], panels):
         groups: dict[tuple, list[Row]] = {}
         for r in rows:
-            if r.torso == torso:
-                groups.setdefault((r.threads_per_actor_device, r.split), []).append(r)
-        for (threads, split), group in sorted(groups.items()):
-            group.sort(key=lambda r: r.actor_batch_size)
-            x = [r.actor_batch_size for r in group]
-            (line,) = ax.plot(x, [r.frames_per_s for r in group], "o-", label=f"{threads} thr, {split}")
-            for r in group:  # each run of a repeated setting, around its median
-                ax.plot(
-                    [r.actor_batch_size] * len(r.frames_per_s_runs),
-                    r.frames_per_s_runs,
-                    ".",
-                    color=line.get_color(),
-                    alpha=0.4,
-                )
+            if (r.agent, r.torso) == (agent, torso):
+                groups.setdefault(_x_and_line(r)[1], []).append(r)
+        searches = False
+        for line_key, group in sorted(groups.items()):
+            group.sort(key=lambda r: _x_and_line(r)[0])
+            x = [_x_and_line(r)[0] for r in group]
+            searches = bool(group[0].simulations)
+            label = _line_name(line_key).removeprefix(f"{agent} {torso} ")
+            (line,) = ax.plot(x, [r.frames_per_s for r in group], "o-", label=label)
+            for xi, r in zip(x, group):  # each run of a repeated setting, around its median
+                ax.plot([xi] * len(r.frames_per_s_runs), r.frames_per_s_runs, ".", color=line.get_color(), alpha=0.4)
             ax.plot(x, [r.ceiling_frames_per_s for r in group], "--", color=line.get_color(), alpha=0.6)
         ax.set_xscale("log", base=2)
         ax.set_ylim(bottom=0)
-        ax.set_xlabel("actor batch size (envs per actor thread)")
+        ax.set_xlabel("search simulations per action" if searches else "actor batch size (envs per actor thread)")
         ax.set_ylabel("frames/s (Pong-v5, frame skip 4)")
-        ax.set_title(f"{torso}: measured (solid) vs sequential bound (dashed)", fontsize=10)
+        ax.set_title(f"{agent} {torso}: measured (solid) vs sequential bound (dashed)", fontsize=10)
         ax.legend(fontsize=8, loc="lower right")
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -316,16 +426,30 @@ def plot(rows: list[Row], path: str | pathlib.Path) -> None:
 
 
 def select(
-    sweep: dict,
+    sweep: dict | None = None,
     torso: list[str] | None = None,
     actor_batch_size: list[int] | None = None,
     threads_per_actor_device: list[int] | None = None,
     split: list[str] | None = None,
+    agent: str | None = None,
+    simulations: list[int] | None = None,
+    quick: bool = False,
 ) -> dict:
-    """`sweep` with the given axes replaced; checked before anything compiles (ConfigError names the flag)."""
+    """The sweep to run: `sweep` (default: the agent's, see sweep_for) with the given axes replaced.
+
+    Checked before anything compiles: a bad flag, and every setting's config, raise ConfigError (a
+    flag's error names the flag).
+    """
     from podray import config as config_lib
 
-    chosen = dict(sweep)
+    if agent is not None and agent not in AGENTS:
+        raise config_lib.ConfigError(f"bench sebulba: --agent {agent} is not one of {', '.join(AGENTS)}")
+    agent = agent or (sweep["agent"][0] if sweep else "impala")
+    if simulations is not None and agent != "muzero":
+        raise config_lib.ConfigError(
+            f"bench sebulba: --simulations belongs to --agent muzero (the {agent} agent does not search)"
+        )
+    chosen = dict(sweep or sweep_for(agent, quick))
     for name, flag, values, valid in (
         ("torso", "--torso", torso, ("nature_cnn", "impala_resnet")),
         ("split", "--split", split, tuple(SPLITS)),
@@ -335,14 +459,17 @@ def select(
             if bad or not values:
                 raise config_lib.ConfigError(f"bench sebulba: {flag} {','.join(bad)} is not one of {', '.join(valid)}")
             chosen[name] = list(values)
-    for name, flag, values in (
-        ("actor_batch_size", "--batch", actor_batch_size),
-        ("threads_per_actor_device", "--threads", threads_per_actor_device),
+    for name, flag, values, example in (
+        ("actor_batch_size", "--batch", actor_batch_size, "32,64,128"),
+        ("threads_per_actor_device", "--threads", threads_per_actor_device, "1,2,4"),
+        ("simulations", "--simulations", simulations, ",".join(map(str, SIMULATIONS))),
     ):
         if values is not None:
             if not values or any(v < 1 for v in values):
-                raise config_lib.ConfigError(f"bench sebulba: {flag} takes positive integers, e.g. {flag} 32,64,128")
+                raise config_lib.ConfigError(f"bench sebulba: {flag} takes positive integers, e.g. {flag} {example}")
             chosen[name] = list(values)
+    for setting in settings(chosen):
+        _config(*setting)  # validates the setting's whole config
     return chosen
 
 
@@ -357,6 +484,7 @@ def _median_row(runs: list[Row]) -> Row:
         **_rates(*(med(n) for n in names), frame_skip),
         policy_lag=med("policy_lag"),
         learner_updates=int(sum(r.learner_updates for r in runs)),
+        gradient_steps=med("gradient_steps"),
         measure_s=float(sum(r.measure_s for r in runs)),
         load_avg_1m=max(r.load_avg_1m for r in runs),
         repeats=len(runs),
@@ -365,17 +493,19 @@ def _median_row(runs: list[Row]) -> Row:
 
 
 def rise(rows: list[Row]) -> list[tuple[str, float]]:
-    """For each line of the sweep (torso, threads, split): frames/s at its largest actor batch over
-    frames/s at its smallest."""
+    """For each line of the sweep (IMPALA: torso, threads, split; MuZero: also the actor batch):
+    frames/s at its largest x (IMPALA: actor batch; MuZero: search simulations) over frames/s at its
+    smallest."""
     lines: dict[tuple, list[Row]] = {}
     for r in rows:
-        lines.setdefault((r.torso, r.threads_per_actor_device, r.split), []).append(r)
+        lines.setdefault(_x_and_line(r)[1], []).append(r)
     out = []
-    for (torso, threads, split), group in sorted(lines.items()):
-        group.sort(key=lambda r: r.actor_batch_size)
+    for line, group in sorted(lines.items()):
+        group.sort(key=lambda r: _x_and_line(r)[0])
         if len(group) > 1:
-            batches = f"B={group[0].actor_batch_size}->{group[-1].actor_batch_size}"
-            name = f"{torso} threads={threads} split={split} {batches}"
+            axis = "sims" if group[0].simulations else "B"
+            first, last = _x_and_line(group[0])[0], _x_and_line(group[-1])[0]
+            name = _line_name(line).removeprefix("impala ") + f" {axis}={first}->{last}"
             out.append((name, group[-1].frames_per_s / group[0].frames_per_s))
     return out
 
@@ -388,18 +518,17 @@ def main(
     repeats: int = 1,
 ) -> list[Row]:
     """Runs the sweep `repeats` times (see the module docstring), prints a table and each line's rise
-    with actor batch, writes JSON rows to `out` and a PNG plot beside it."""
-    sweep = sweep or (QUICK_SWEEP if quick else FULL_SWEEP)
-    settings = list(
-        itertools.product(sweep["torso"], sweep["actor_batch_size"], sweep["threads_per_actor_device"], sweep["split"])
-    )
-    runs: dict[tuple, list[Row]] = {s: [] for s in settings}
+    (with actor batch; MuZero: with simulations), writes JSON rows to `out` and a PNG plot beside it."""
+    sweep = sweep or sweep_for("impala", quick)
+    all_settings = settings(sweep)
+    runs: dict[tuple, list[Row]] = {s: [] for s in all_settings}
     for round_ in range(repeats):
-        for setting in settings if round_ % 2 == 0 else settings[::-1]:
-            torso, batch, threads, split = setting
-            runs[setting].append(measure(torso, batch, threads, split, min_seconds=min_seconds))
+        for setting in all_settings if round_ % 2 == 0 else all_settings[::-1]:
+            agent, simulations, torso, batch, threads, split = setting
+            row = measure(torso, batch, threads, split, min_seconds=min_seconds, agent=agent, simulations=simulations)
+            runs[setting].append(row)
             print(_table(runs[setting][-1:]).splitlines()[-1], flush=True)
-    rows = [_median_row(runs[s]) for s in settings]
+    rows = [_median_row(runs[s]) for s in all_settings]
     print(_table(rows) + (f"\n(medians of {repeats} runs per setting)" if repeats > 1 else ""))
     for name, ratio in rise(rows):
         print(f"{name}: frames/s x{ratio:.2f}")
