@@ -388,7 +388,7 @@ def _line_name(line: tuple) -> str:
 
 
 def plot(rows: list[Row], path: str | pathlib.Path) -> None:
-    """frames/s (solid; dots: the runs of a repeated setting) and the sequential bound (dashed): one
+    """frames/s (solid; dots: the runs of a repeated setting) and the sequential bound (dashed, x): one
     panel per agent and torso, against actor batch size (IMPALA; one line per threads and split) or
     against search simulations (MuZero; one line per actor batch, threads and split)."""
     import matplotlib
@@ -403,17 +403,19 @@ def plot(rows: list[Row], path: str | pathlib.Path) -> None:
         for r in rows:
             if (r.agent, r.torso) == (agent, torso):
                 groups.setdefault(_x_and_line(r)[1], []).append(r)
-        searches = False
+        searches, xs = False, set()
         for line_key, group in sorted(groups.items()):
             group.sort(key=lambda r: _x_and_line(r)[0])
             x = [_x_and_line(r)[0] for r in group]
-            searches = bool(group[0].simulations)
+            searches, xs = bool(group[0].simulations), xs | set(x)
             label = _line_name(line_key).removeprefix(f"{agent} {torso} ")
             (line,) = ax.plot(x, [r.frames_per_s for r in group], "o-", label=label)
             for xi, r in zip(x, group):  # each run of a repeated setting, around its median
                 ax.plot([xi] * len(r.frames_per_s_runs), r.frames_per_s_runs, ".", color=line.get_color(), alpha=0.4)
-            ax.plot(x, [r.ceiling_frames_per_s for r in group], "--", color=line.get_color(), alpha=0.6)
+            ax.plot(x, [r.ceiling_frames_per_s for r in group], "x--", color=line.get_color(), alpha=0.6)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(xs), [str(x) for x in sorted(xs)])
+        ax.minorticks_off()
         ax.set_ylim(bottom=0)
         ax.set_xlabel("search simulations per action" if searches else "actor batch size (envs per actor thread)")
         ax.set_ylabel("frames/s (Pong-v5, frame skip 4)")
