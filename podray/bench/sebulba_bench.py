@@ -141,9 +141,9 @@ def _config(
     ConfigError names the field)."""
     from podray import config as config_lib
 
-    preset, preset_learner_batch, preset_rollout_length = AGENTS[agent]
-    learner_batch = learner_batch or preset_learner_batch
-    rollout_length = rollout_length or preset_rollout_length
+    preset, fixed_learner_batch, fixed_rollout_length = AGENTS[agent]
+    learner_batch = learner_batch or fixed_learner_batch
+    rollout_length = rollout_length or fixed_rollout_length
     actors, learners = SPLITS[split]
     overrides = [
         f"env.name={env}",
