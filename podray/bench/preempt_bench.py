@@ -12,8 +12,9 @@ a random 0..`max_delay_s` seconds, sends SIGTERM, and checks:
     completes with continuous update counts in metrics.jsonl (no gap, no repeat);
   - bitwise (Anakin): the resumed run's final checkpoint equals, array for array, that of a run of the
     same budget never interrupted.
-Modes: anakin (in-process), sebulba (in-process), anakin_ray (one host worker through an embedded Ray),
-anakin_2hosts (two host workers of two fake devices each, through Ray).
+Modes, in turn: anakin and sebulba (in-process), anakin_ray and sebulba_ray (one host worker through an
+embedded Ray, `--ray`), anakin_2hosts and sebulba_2hosts (two host workers of two fake devices each,
+through Ray).
 """
 
 from __future__ import annotations
@@ -37,11 +38,16 @@ ANAKIN = [
     "run.cpu_devices=4",
 ]
 SEBULBA = ["run.tensorboard=false", "run.progress=false", "sebulba.log_every=4"]
+# Each host of a 2-host Sebulba run: 1 actor + 1 learner device (the learner mesh spans both hosts).
+SEBULBA_HOST = ["run.cpu_devices=2", "sebulba.actor_devices=[0]", "sebulba.learner_devices=[1]"]
+# Modes alternate between the architectures, so 10 trials are 5 Anakin and 5 Sebulba runs.
 MODES = {
     "anakin": (None, ANAKIN, ["--in-process"]),
     "sebulba": ("sebulba_cartpole", SEBULBA, ["--in-process"]),
-    "anakin_ray": (None, ANAKIN, []),
+    "anakin_ray": (None, ANAKIN, ["--ray"]),
+    "sebulba_ray": ("sebulba_cartpole", SEBULBA, ["--ray"]),
     "anakin_2hosts": (None, [*ANAKIN[:-1], "run.cpu_devices=2", "run.hosts=2"], []),
+    "sebulba_2hosts": ("sebulba_cartpole", [*SEBULBA, *SEBULBA_HOST, "run.hosts=2"], []),
 }
 
 
@@ -125,7 +131,7 @@ def trial(mode: str, max_delay_s: float, workdir: str, rng: random.Random) -> di
     # Resume (in-process, on the same global device count) to two boundaries past the checkpoint.
     per_update = rows[-1]["env_steps"] // rows[-1]["updates"]
     total = (checkpoint + 2 * per_boundary) * per_update
-    where = [] if mode == "anakin_2hosts" else ["--in-process"]  # a 2-host checkpoint resumes on 2 hosts
+    where = [] if mode.endswith("2hosts") else ["--in-process"]  # a 2-host checkpoint resumes on 2 hosts
     resume = subprocess.run(
         _cli("train", *where, "--resume", str(run_dir), "--set", f"total_env_steps={total}"),
         capture_output=True,
