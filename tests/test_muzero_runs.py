@@ -56,6 +56,16 @@ class _FailAt:
         pass
 
 
+@pytest.mark.parametrize("preset, floor", [("anakin_muzero_catch", 0.8), ("anakin_muzero_cartpole", 400.0)])
+def test_anakin_muzero_learns(preset, floor, tmp_path):
+    """The presets as users run them (their own budgets: Catch 30k env steps, CartPole 100k)."""
+    config = _config(preset, "run.devices=[0]")
+    summary = train(config, run_dir=tmp_path)
+    assert summary.final_mean_return >= floor, summary
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rows[-1]["replay_ratio"] == pytest.approx(config.replay.replay_ratio)
+
+
 def test_anakin_muzero_resume_with_the_replay_is_bitwise_identical(tmp_path):
     config = _config(
         "anakin_muzero_catch",
