@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -345,6 +346,25 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only true and false are booleans, so a bare on,
+    off, yes or no stays a string (`run.compile_cache: off`, `--set run.compile_cache=off`)."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def yaml_load(text: str) -> Any:
+    """Parses YAML text (configs, presets, --set values, Tune spaces) with YAML 1.2's booleans."""
+    return yaml.load(text, Loader=_YamlLoader)
+
+
 def _coerce(path: str, tp: Any, value: Any) -> Any:
     """Checks `value` against the annotated type `tp`; returns it (ints widen to float)."""
     origin = typing.get_origin(tp)
@@ -432,7 +452,7 @@ def load_yaml(path_or_name: str) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml_load(path.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {_one_line(e)}") from None
     return data or {}
@@ -452,7 +472,7 @@ def parse_override(text: str) -> dict[str, Any]:
     if not key:
         raise ConfigError(f"--set {text!r}: empty field name")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML: {_one_line(e)}") from None
     if isinstance(value, str):

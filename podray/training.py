@@ -32,7 +32,7 @@ def load_run_config(run_dir: str | os.PathLike, check: bool = True) -> config_li
             f"--resume {run_dir}: no config.yaml there; give the directory of an earlier podray run"
         )
     try:
-        data = yaml.safe_load(text)
+        data = config_lib.yaml_load(text)
     except yaml.YAMLError as e:
         raise config_lib.ConfigError(f"--resume {run_dir}: config.yaml is not valid YAML: {e}") from e
     config = config_lib.from_dict(data)

@@ -125,3 +125,18 @@ def test_field_checks_need_no_environment_registry(compile_counter):
     with pytest.raises(ConfigError, match="^env.name: 'NotAnEnv-v0' is not a JAX"):
         validation.validate(config)
     assert compile_counter == []
+
+
+def test_bare_on_off_yes_no_are_strings_and_true_false_booleans():
+    """YAML 1.2's booleans: `--set run.compile_cache=off` is the documented 'off', not False."""
+    config = config_lib.load(None, ["run.compile_cache=off", "run.tensorboard=false"])
+    assert config.run.compile_cache == "off" and config.run.tensorboard is False
+    assert config_lib.yaml_load("a: off\nb: yes\nc: True\nd: FALSE\ne: 'on'") == {
+        "a": "off",
+        "b": "yes",
+        "c": True,
+        "d": False,
+        "e": "on",
+    }
+    with pytest.raises(config_lib.ConfigError, match="run.tensorboard"):
+        config_lib.load(None, ["run.tensorboard=yes"])

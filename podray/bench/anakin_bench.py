@@ -5,8 +5,9 @@ For every (environment, devices x envs per device) setting, the same run measure
     calls of the compiled program;
   - ceiling_steps_per_s: the jitted environment step alone with random actions, at the same batch and
     devices, the same way (shard_map over the mesh, scan over the same number of steps).
-MuZero rows (agent muzero-<simulations>) run the anakin_muzero_cartpole preset (Gumbel search, replay
-ratio 4) at 8, 16 and 50 simulations per search on CartPole-v1, one device with 32 environments.
+MuZero rows (agent muzero-<simulations>) run the anakin_muzero_cartpole preset (its search, rollout
+length and replay settings) at 8, 16 and 50 simulations per search on CartPole-v1, one device with 32
+environments.
 Fake CPU devices are created for settings with more than one device (on CPU only).
 """
 
@@ -106,7 +107,8 @@ def measure(
     from podray.host import local_context
 
     num_envs = devices * envs_per_device
-    rollout = 16 if simulations else 128
+    preset = "anakin_muzero_cartpole" if simulations else "anakin_cartpole"
+    rollout = config_lib.load(preset).anakin.rollout_length
     steps_per_update = num_envs * rollout
     updates_per_call = max(1, math.ceil(target_steps / steps_per_update))
     overrides = [
@@ -119,7 +121,7 @@ def measure(
     if simulations:
         # the replay starts learning at once, so every timed call searches, adds, samples and learns
         overrides += [f"search.num_simulations={simulations}", "replay.min_size=0"]
-    config = config_lib.load("anakin_muzero_cartpole" if simulations else "anakin_cartpole", overrides)
+    config = config_lib.load(preset, overrides)
     host = local_context(list(range(devices)))
     program = AnakinProgram(config, host.mesh())
     state = program.initial_state(config.seed)
@@ -192,8 +194,8 @@ def main(out: str | None = None, quick: bool = False) -> list[Row]:
         groups[MUZERO_SETTING[0]] = []
     header = f"{'env':<14}{'agent':>11}{'setting':>9}{'steps/s':>14}{'ceiling':>14}{'ratio':>8}{'compile s':>11}"
     print(
-        "PPO 128-step rollouts, 4x4 minibatches; MuZero (anakin_muzero_cartpole) 16-step rollouts at 8/16/50 "
-        "simulations; each device count in its own process"
+        "PPO (anakin_cartpole) and MuZero (anakin_muzero_cartpole at 8/16/50 simulations), each at its "
+        "preset's rollout length; each device count in its own process"
     )
     print(header, flush=True)
     rows = []

@@ -275,7 +275,7 @@ def load_study(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) -
             raise ConfigError(f"study file {path} does not exist; studies in tune_configs/ are {names}")
         path = candidate
     try:
-        data = yaml.safe_load(path.read_text())
+        data = config_lib.yaml_load(path.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
     return from_dict(data, overrides=overrides, source=str(path))

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import yaml
 
+from podray import config as config_lib
 from podray import storage as storage_lib
 from podray.config import ConfigError
 from podray.tuning import parse
@@ -281,7 +282,7 @@ def load_study_dir(study_dir: str | os.PathLike) -> spec_lib.StudySpec:
     text = storage_lib.read_text(path)
     if text is None:
         raise ConfigError(f"--resume {study_dir}: no {STUDY_FILE} there; give the directory of a podray tune study")
-    return parse.from_dict(yaml.safe_load(text), source=str(path))
+    return parse.from_dict(config_lib.yaml_load(text), source=str(path))
 
 
 def resume_study(study_dir: str | os.PathLike, address: str | None = None) -> StudyResult:

@@ -24,8 +24,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-import yaml
-
 from podray import config as config_lib
 from podray import storage
 from podray.config import ConfigError
@@ -233,7 +231,7 @@ def restore_run_dir(checkpoint_dir: str | pathlib.Path, run_dir: storage.PathLik
     """
     checkpoint_dir = pathlib.Path(checkpoint_dir)
     info = json.loads((checkpoint_dir / INFO_FILE).read_text())
-    old = config_lib.from_dict(yaml.safe_load((checkpoint_dir / "config.yaml").read_text()))
+    old = config_lib.from_dict(config_lib.yaml_load((checkpoint_dir / "config.yaml").read_text()))
     changes = config_changes(old, config)
     misfits = [k for k in changes if k not in spec_lib.SHAPE_FREE_FIELDS]
     if misfits:
