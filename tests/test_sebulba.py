@@ -63,8 +63,11 @@ def _no_actor_threads_alive():
 def test_impala_learns_cartpole_from_envpool(tmp_path):
     config = _config("sebulba_cartpole")  # 1.2M env steps
     summary = train(config, run_dir=tmp_path)
-    assert summary.final_mean_return >= 400, summary
     rows = read_jsonl(tmp_path / "metrics.jsonl")
+    # Sebulba's actor threads make each run's data differ with the machine's timing, and one report's
+    # episodes are few: the last 3 reports together must hold 400.
+    last = [row["mean_return"] for row in rows[-3:]]
+    assert len(rows) >= 3 and sum(last) / 3 >= 400, (last, summary)
     for key in (
         "steps_per_s",
         "frames_per_s",
