@@ -1,4 +1,5 @@
-"""The `podray` command re-executes itself once with glibc's malloc on transparent huge pages."""
+"""The `podray` command re-executes itself once with glibc's malloc on transparent huge pages and
+at most 2 arenas."""
 
 import os
 import subprocess
@@ -14,12 +15,19 @@ linux_glibc = pytest.mark.skipif(
 
 
 @linux_glibc
-def test_environment_adds_the_tunable_and_respects_a_setting():
-    assert hugepages.environment({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
-    appended = hugepages.environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "HOME": "/x"})
-    assert appended["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+def test_environment_adds_the_tunables_and_respects_a_setting():
+    both = "glibc.malloc.hugetlb=1:glibc.malloc.arena_max=2"
+    assert hugepages.environment({})["GLIBC_TUNABLES"] == both
+    appended = hugepages.environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=8", "HOME": "/x"})
+    assert appended["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=8:glibc.malloc.hugetlb=1"
     assert appended["HOME"] == "/x"
-    assert hugepages.environment({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None  # the opt-out
+    # The opt-out of huge pages keeps it, and still caps the arenas.
+    assert hugepages.environment({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})["GLIBC_TUNABLES"] == (
+        "glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2"
+    )
+    # MALLOC_ARENA_MAX is glibc's other spelling of arena_max: a user's value wins.
+    assert hugepages.environment({"MALLOC_ARENA_MAX": "16"})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert hugepages.environment({"GLIBC_TUNABLES": both}) is None  # nothing to add
     assert hugepages.environment(appended) is None  # already re-executed: never twice
 
 
@@ -29,10 +37,12 @@ def test_reexecute_runs_the_same_command_once_with_the_tunable():
         "import os; print('run', os.environ.get('GLIBC_TUNABLES'), flush=True); "
         "from podray import hugepages; hugepages.reexecute(); print('done')"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "PODRAY_REEXECUTED")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "PODRAY_REEXECUTED", "MALLOC_ARENA_MAX")
+    }
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["run None", "run glibc.malloc.hugetlb=1", "done"]
+    assert out.stdout.splitlines() == ["run None", "run glibc.malloc.hugetlb=1:glibc.malloc.arena_max=2", "done"]
 
 
 def test_the_console_script_is_the_reexecuting_entry():

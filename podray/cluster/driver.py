@@ -75,8 +75,8 @@ def connect(address: str | None = None, dashboard: bool = False, num_cpus: int |
         return RayConnection(False, _dashboard_url(ray))
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
-        # A cluster's workers do not inherit this process's environment: pass malloc's huge-page
-        # tunable on (podray.hugepages). A local Ray's workers inherit it.
+        # A cluster's workers do not inherit this process's environment: pass malloc's tunables on
+        # (huge pages, 2 arenas: podray.hugepages). A local Ray's workers inherit them.
         tunables = os.environ.get("GLIBC_TUNABLES")
         job_env = {"runtime_env": {"env_vars": {"GLIBC_TUNABLES": tunables}}} if tunables else {}
         ray.init(address=address, logging_level="WARNING", **job_env)
