@@ -54,7 +54,10 @@ class Row:
 
 def _run(layout: str, common: list[str], workdir: str) -> Row:
     run_dir = tempfile.mkdtemp(prefix="run-", dir=workdir)
-    cmd = [sys.executable, "-m", "podray.cli", "train", "sebulba_pong", "--run-dir", run_dir]
+    # --ray for both: one host runs in a host worker too (without it the CLI would run it in this
+    # process), so both layouts pay the same Ray driver, daemons and worker, and the ratio is what
+    # crossing hosts costs.
+    cmd = [sys.executable, "-m", "podray.cli", "train", "sebulba_pong", "--ray", "--run-dir", run_dir]
     for override in LAYOUTS[layout] + common:
         cmd += ["--set", override]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "XLA_FLAGS")}
