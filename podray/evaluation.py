@@ -122,6 +122,16 @@ def check_request(
     return EvalRequest(run_dir, config, step, episodes, greedy, video_path, seed)
 
 
+def _agent_params(agent, tree: Any) -> Any:
+    """The restored parameter tree (nested dicts, as orbax reads it) in the agent's own parameter type,
+    e.g. MuZero's MuZeroParams dataclass; flax's dicts stay dicts."""
+    import jax
+    from flax import serialization
+
+    abstract = jax.eval_shape(agent.init, jax.random.PRNGKey(0)).params
+    return serialization.from_state_dict(abstract, tree)
+
+
 def restore_params(run_dir, step: int, architecture: str, device=None) -> tuple[Any, dict]:
     """The agent parameters of checkpoint `step` on one device, and the checkpoint's metadata.
 
@@ -153,21 +163,18 @@ def restore_params(run_dir, step: int, architecture: str, device=None) -> tuple[
 
 
 def _policy(agent, greedy: bool, channels_first: bool = False):
-    """A jitted (params, obs [B, ...], key) -> action [B]: the agent's own act_with_noise, with zero
-    noise (greedy) or Gumbel noise (a sample of the policy)."""
+    """A jitted (params, obs [B, ...], key) -> action [B]: the agent's own `act_greedy` (greedy) or
+    `act_with_noise` with its own noise (a sample of the policy; for MuZero, of the search)."""
     import jax
-    import jax.numpy as jnp
 
     from podray.envs.host_envs import to_channels_last
 
     @jax.jit
     def act(params, obs, key):
         obs = to_channels_last(obs, channels_first)
-        keys = jax.random.split(key, obs.shape[0])
-        noise = agent.action_noise(keys)
         if greedy:
-            noise = jnp.zeros_like(noise)
-        return agent.act_with_noise(params, obs, noise)[0]
+            return agent.act_greedy(params, obs, key)
+        return agent.act_with_noise(params, obs, agent.action_noise(jax.random.split(key, obs.shape[0])))[0]
 
     return act
 
@@ -196,9 +203,10 @@ def _play_jax(request: EvalRequest, params, agent, env) -> tuple[list[float], li
         def body(carry):
             t, key, state, obs, returns, finished, lengths = carry
             key, act_key, step_key = jax.random.split(key, 3)
-            keys = jax.random.split(act_key, n)
-            noise = jnp.zeros((n, env.spec.num_actions)) if request.greedy else agent.action_noise(keys)
-            action, _ = agent.act_with_noise(params, obs, noise)
+            if request.greedy:
+                action = agent.act_greedy(params, obs, act_key)
+            else:
+                action, _ = agent.act_with_noise(params, obs, agent.action_noise(jax.random.split(act_key, n)))
             state, ts = env.step(state, action, jax.random.split(step_key, n))
             first_end = ts.done & ~finished
             returns = jnp.where(first_end, ts.episode_return, returns)
@@ -345,7 +353,7 @@ def evaluate(request: EvalRequest) -> EvalResult:
     """Plays the request's episodes (and its video episode), writes eval.json; returns the result."""
     start = time.perf_counter()
     config = request.config
-    from podray.agents import make_agent
+    from podray.agents import build_agent
 
     atari = False
     if config.architecture == "anakin":
@@ -358,7 +366,9 @@ def evaluate(request: EvalRequest) -> EvalResult:
 
         spec, atari = host_envs.env_spec(config.env.name)
     params, meta = restore_params(request.run_dir, request.step, config.architecture)
-    agent = make_agent(config.agent, config.network, spec, num_updates=1)
+    # The run's whole config: MuZero's search (policy, simulations, considered actions) is its own.
+    agent = build_agent(config, spec, num_updates=1, num_devices=1)
+    params = _agent_params(agent, params)
     frames: list[np.ndarray] = []
     if config.architecture == "anakin":
         returns, lengths = _play_jax(request, params, agent, env)

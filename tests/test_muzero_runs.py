@@ -1,6 +1,7 @@
 """MuZero end to end: Anakin resumes bitwise with its replay and reports the search metrics; Sebulba
 searches on the actor device and learns from its replay on Pong; one agent object runs under both."""
 
+import json
 import math
 import threading
 
@@ -9,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from podray import cli
 from podray import config as config_lib
 from podray.agents import build_agent
 from podray.anakin import AnakinProgram
@@ -64,6 +66,12 @@ def test_anakin_muzero_learns(preset, floor, tmp_path):
     assert summary.final_mean_return >= floor, summary
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert rows[-1]["replay_ratio"] == pytest.approx(config.replay.replay_ratio)
+    # `podray eval --greedy` plays the trained agent with the run's own search (its policy, simulations
+    # and considered actions), taking the search's best action.
+    assert cli.main(["eval", str(tmp_path), "--episodes", "8", "--greedy"]) == 0
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["policy"] == "greedy" and result["episodes"] == 8
+    assert result["mean"] >= (floor if preset == "anakin_muzero_cartpole" else 0.5), result
 
 
 def test_anakin_muzero_resume_with_the_replay_is_bitwise_identical(tmp_path):

@@ -111,6 +111,31 @@ def test_search_finds_the_better_action_the_prior_misses(config):
     assert float(np.mean(np.asarray(out.policy)[:, 2])) > float(prior[2])
 
 
+@pytest.mark.parametrize("config", [POLICIES[0], POLICIES[2]], ids=["muzero", "gumbel"])
+def test_greedy_search_plays_the_best_action_whatever_the_key(config):
+    """Greedy (evaluation): no exploration noise and no sampling, so the action does not depend on the
+    key (for PUCT, but for rows whose visit counts tie: mctx breaks ties with the key) and for PUCT it
+    is the most visited action; on the trap problem it is the better action, 2."""
+    B = 64
+    search = jax.jit(make_search(config, _random_model(), A), static_argnames="greedy")
+    obs = jax.random.normal(jax.random.PRNGKey(1), (B, 4))
+    greedy = [search(None, obs, jax.random.PRNGKey(seed), greedy=True) for seed in range(3)]
+    rows = np.ones(B, bool)
+    if config.policy == "muzero":
+        policy = np.asarray(greedy[0].policy)
+        top = np.sort(policy, axis=-1)
+        rows = top[:, -1] > top[:, -2]  # a single most visited action
+        assert rows.mean() > 0.5
+        np.testing.assert_array_equal(np.asarray(greedy[0].action)[rows], policy.argmax(-1)[rows])
+    for out in greedy[1:]:
+        np.testing.assert_array_equal(np.asarray(out.action)[rows], np.asarray(greedy[0].action)[rows])
+    sampled = [np.asarray(search(None, obs, jax.random.PRNGKey(seed)).action) for seed in range(3)]
+    assert any((a != sampled[0]).any() for a in sampled[1:])  # the acting search does sample
+    trap = jax.jit(make_search(dataclasses.replace(config, num_simulations=24), _trap_model(), A), static_argnames="greedy")
+    out = trap(None, jnp.zeros((8, 1)), jax.random.PRNGKey(0), greedy=True)
+    np.testing.assert_array_equal(np.asarray(out.action), 2)
+
+
 def test_gumbel_with_one_simulation_returns_a_valid_policy():
     config = SearchConfig(policy="gumbel", num_simulations=1, max_num_considered_actions=2)
     out = jax.jit(make_search(config, _random_model(), A))(None, jnp.ones((5, 4)), jax.random.PRNGKey(0))

@@ -164,6 +164,12 @@ class Agent:
             draw = jax.vmap(draw)
         return draw(keys)
 
+    def act_greedy(self, params: Any, obs: chex.Array, key: chex.PRNGKey) -> chex.Array:
+        """The most probable action [B] for every observation (`podray eval --greedy`); `key` is unused
+        here (agents that search use it to break ties)."""
+        del key
+        return jnp.argmax(self.apply(params, obs).logits, axis=-1).astype(jnp.int32)
+
     def act_with_noise(self, params: Any, obs: chex.Array, noise: chex.Array) -> tuple[chex.Array, ActorOut]:
         """`act` with the randomness given: the Gumbel-max sample argmax(logits + noise), which is what
         jax.random.categorical computes, so act(key) == act_with_noise(action_noise(key))."""

@@ -299,6 +299,12 @@ class MuZero(Agent):
         logits = jnp.log(jnp.maximum(out.policy, jnp.finfo(jnp.float32).tiny))
         return out.action, ActorOut(logits=logits, value=out.root_value)
 
+    def act_greedy(self, params: MuZeroParams, obs: chex.Array, key: chex.PRNGKey) -> chex.Array:
+        """The search's best action for every observation, without exploration noise (`make_search`'s
+        greedy mode): what `podray eval --greedy` plays. `key` breaks ties between equal actions."""
+        key = key if key.ndim == 1 else key[0]
+        return self.search(params.network, obs, key, greedy=True).action
+
     def action_noise(self, keys: chex.Array) -> chex.Array:
         """The search draws its own noise: the 'noise' is the keys themselves ([..., 2])."""
         return keys

@@ -114,9 +114,12 @@ def make_search(config: SearchConfig, model: Model, num_actions: int):
       model: the learned model to search over.
       num_actions: A, the size of the discrete action space.
     Returns:
-      search(params, obs [B, *obs_shape], key, temperature=config.temperature, invalid_actions=None)
-      -> SearchOutput. The key is consumed; `temperature` (a scalar, may be traced) only affects the
-      MuZero policy's action sampling; `invalid_actions` is [B, A] bool, True where not allowed.
+      search(params, obs [B, *obs_shape], key, temperature=config.temperature, invalid_actions=None,
+      greedy=False) -> SearchOutput. The key is consumed; `temperature` (a scalar, may be traced) only
+      affects the MuZero policy's action sampling; `invalid_actions` is [B, A] bool, True where not
+      allowed. `greedy` (static) searches without exploration and picks the search's best action: for
+      `muzero`, no Dirichlet noise at the root and the most visited action (temperature 0); for
+      `gumbel`, no Gumbel noise, so the action is the top of sequential halving (what evaluation plays).
     """
     max_depth = config.max_depth or None
 
@@ -142,6 +145,7 @@ def make_search(config: SearchConfig, model: Model, num_actions: int):
         key: chex.PRNGKey,
         temperature: chex.Numeric | None = None,
         invalid_actions: chex.Array | None = None,
+        greedy: bool = False,
     ) -> SearchOutput:
         root_out = model.root(params, obs)
         root = mctx.RootFnOutput(prior_logits=root_out.prior_logits, value=root_out.value, embedding=root_out.latent)
@@ -155,7 +159,7 @@ def make_search(config: SearchConfig, model: Model, num_actions: int):
                 **common,
                 qtransform=functools.partial(mctx.qtransform_completed_by_mix_value, rescale_values=True),
                 max_num_considered_actions=min(config.max_num_considered_actions, num_actions),
-                gumbel_scale=config.gumbel_scale,
+                gumbel_scale=0.0 if greedy else config.gumbel_scale,
             )
         else:
             out = mctx.muzero_policy(
@@ -165,11 +169,11 @@ def make_search(config: SearchConfig, model: Model, num_actions: int):
                 recurrent_fn,
                 **common,
                 qtransform=qtransform,
-                dirichlet_fraction=config.dirichlet_fraction,
+                dirichlet_fraction=0.0 if greedy else config.dirichlet_fraction,
                 dirichlet_alpha=config.dirichlet_alpha,
                 pb_c_init=config.pb_c_init,
                 pb_c_base=config.pb_c_base,
-                temperature=config.temperature if temperature is None else temperature,
+                temperature=0.0 if greedy else (config.temperature if temperature is None else temperature),
             )
         policy = out.action_weights
         if invalid_actions is not None:
