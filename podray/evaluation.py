@@ -106,6 +106,16 @@ def check_request(
             raise config_lib.ConfigError(
                 f"eval --video {video}: the file must end in {' or '.join(VIDEO_SUFFIXES)} (the format follows it)"
             )
+        # The writers are setup.py dependencies; an environment installed before they were lacks them.
+        needed = ["imageio"] + (["imageio_ffmpeg"] if video_path.suffix.lower() == ".mp4" else [])
+        import importlib.util
+
+        missing = [m for m in needed if importlib.util.find_spec(m) is None]
+        if missing:
+            raise config_lib.ConfigError(
+                f"eval --video {video}: {', '.join(missing)} is not installed in this Python; reinstall podray "
+                "(pip install -e . in the checkout) or pip install imageio imageio-ffmpeg"
+            )
     if storage.read_text(run_dir / "config.yaml") is None:
         raise config_lib.ConfigError(f"eval {run_dir}: no config.yaml there; give the directory of a podray run")
     config = load_run_config(run_dir, check=False)

@@ -109,6 +109,14 @@ def test_eval_bad_requests_get_one_line_before_anything_compiles(runs, tmp_path,
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
     assert "the steps kept are [2]" in cli_error(["eval", str(runs / "anakin"), "--step", "7"], capsys)
+    # An environment that lacks the video writers (installed before they were dependencies).
+    import importlib.util
+
+    real = importlib.util.find_spec
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "imageio_ffmpeg" else real(name, *a))
+        err = cli_error(["eval", str(runs / "anakin"), "--video", str(tmp_path / "v.mp4")], capsys).strip()
+    assert "eval --video" in err and "imageio_ffmpeg is not installed" in err and len(err.splitlines()) == 1, err
     assert compile_counter == []
 
 
