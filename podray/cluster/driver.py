@@ -369,7 +369,21 @@ class HostGroup:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for w in self.workers:
+        # Host 0 goes last: it runs jax.distributed's coordination service, and a host whose coordination
+        # client outlives the service aborts (a native stack dump in the driver's log) instead of dying
+        # quietly. The others are killed first and waited for, a few seconds at most.
+        others, first = self.workers[1:], self.workers[:1]
+        for w in others:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:
+                pass
+        if others and first:
+            try:  # a call to a killed actor fails once it is dead
+                ray.wait([w.node_info.remote() for w in others], num_returns=len(others), timeout=5.0)
+            except Exception:
+                pass
+        for w in first:
             try:
                 ray.kill(w, no_restart=True)
             except Exception:
