@@ -182,6 +182,14 @@ class SearchConfig:
     """How Q-values are scaled to [0, 1] in PUCT (muzero policy): 'tree' (min-max over every visited
     edge of the tree, MuZero's MinMaxStats) or 'siblings' (over the node's value and its children's,
     mctx's default). The gumbel policy always rescales its completed Q-values by their min-max."""
+    min_value_range: float = 0.0
+    """The smallest range the min-max normalisation of Q-values divides by (both policies), in the
+    value's own units: Q-values that differ by less than this are not stretched to span [0, 1]. 0
+    stretches any difference (MuZero and mctx). While the model cannot yet tell actions apart, its
+    Q-values differ only by noise, and stretching that noise to the full scale makes the search
+    policy (and so the policy target) peak on arbitrary actions; a floor near the size of a
+    meaningful value difference (a reward of 1 on clipped Atari rewards) keeps the search near the
+    prior until the Q-values really differ. EfficientZero floors the range at 0.01."""
 
 
 @dataclass
@@ -698,6 +706,8 @@ def _validate_muzero(config: Config) -> None:
     _positive("search.pb_c_init", s.pb_c_init)
     _positive("search.pb_c_base", s.pb_c_base)
     _choice("search.value_normalization", s.value_normalization, ("tree", "siblings"))
+    if s.min_value_range < 0:
+        raise ConfigError(f"search.min_value_range: must be >= 0 (0 normalises any range), got {s.min_value_range}")
     _positive("replay.capacity", r.capacity)
     _positive("replay.batch_size", r.batch_size)
     if r.replay_ratio <= 0:

@@ -186,6 +186,7 @@ def test_four_devices_on_quarters_equal_one_device_on_the_whole_batch():
     [
         (["search.num_simulations=0"], "search.num_simulations"),
         (["search.temperature=-0.5"], "search.temperature"),
+        (["search.min_value_range=-1"], "search.min_value_range"),
         (["replay.replay_ratio=0"], "replay.replay_ratio"),
         (["replay.replay_ratio=-1"], "replay.replay_ratio"),
         (["agent.unroll_steps=0"], "agent.unroll_steps"),

@@ -144,6 +144,42 @@ def test_gumbel_with_one_simulation_returns_a_valid_policy():
     assert np.all(policy >= 0) and np.all((0 <= np.asarray(out.action)) & (np.asarray(out.action) < A))
 
 
+def _noisy_model(spread: float) -> Model:
+    """Every action leads to the same state but for a value that differs by action by at most
+    `spread` (the model's noise while it cannot yet tell actions apart); the prior is uniform."""
+    offsets = spread * jnp.array([0.0, 0.3, 1.0])
+
+    def root(params, obs):
+        B = obs.shape[0]
+        return ModelOutput(latent=jnp.zeros((B, 1)), prior_logits=jnp.zeros((B, A)), value=jnp.zeros(B), reward=jnp.zeros(B))
+
+    def recurrent(params, latent, action):
+        B = latent.shape[0]
+        return ModelOutput(
+            latent=latent + 1.0, prior_logits=jnp.zeros((B, A)), value=offsets[action], reward=jnp.zeros(B)
+        )
+
+    return Model(root=root, recurrent=recurrent, discount=GAMMA)
+
+
+@pytest.mark.parametrize("policy", ["gumbel", "muzero"])
+def test_min_value_range_keeps_noise_sized_q_differences_from_peaking_the_policy(policy):
+    """Q-values 0.01 apart: min-max normalisation stretches them to [0, 1] and the search policy
+    peaks on the top one; with min_value_range 1 they stay 0.01 apart and the policy stays near the
+    uniform prior. Differences as large as the floor still move the policy."""
+    B = 64
+    obs = jnp.zeros((B, 1))
+
+    def policy_of(spread, floor):
+        config = SearchConfig(policy=policy, num_simulations=16, max_num_considered_actions=A, min_value_range=floor)
+        return np.asarray(jax.jit(make_search(config, _noisy_model(spread), A))(None, obs, jax.random.PRNGKey(0)).policy)
+
+    stretched, floored = policy_of(0.01, 0.0).mean(0), policy_of(0.01, 1.0).mean(0)
+    assert stretched[2] > 0.5, stretched  # gumbel: about 0.94; PUCT's visit counts: about 0.55
+    np.testing.assert_allclose(floored, 1.0 / A, atol=0.05)
+    assert policy_of(1.0, 1.0).mean(0)[2] > floored[2] + 0.1
+
+
 def test_tree_min_max_normalises_over_the_whole_tree():
     """Q-values of the root's children (the root's value for unvisited ones) scaled by the min and max
     over every visited edge and the root's value."""

@@ -83,7 +83,8 @@ def qtransform_by_tree_min_max(tree: mctx.Tree, node_index: chex.Numeric, *, eps
     Args:
       tree: an unbatched mctx tree (mctx vmaps its qtransform over the batch).
       node_index: scalar index of the parent node.
-      epsilon: the smallest denominator (a tree whose Q-values are all equal).
+      epsilon: the smallest denominator (search.min_value_range; 1e-8 guards a tree whose Q-values
+        are all equal).
     Returns:
       [num_actions] normalised Q-values in [0, 1].
     """
@@ -134,10 +135,11 @@ def make_search(config: SearchConfig, model: Model, num_actions: int):
         )
         return step, out.latent
 
+    epsilon = max(config.min_value_range, 1e-8)  # the smallest denominator of every min-max normalisation
     if config.value_normalization == "tree":
-        qtransform = qtransform_by_tree_min_max
+        qtransform = functools.partial(qtransform_by_tree_min_max, epsilon=epsilon)
     else:
-        qtransform = mctx.qtransform_by_parent_and_siblings
+        qtransform = functools.partial(mctx.qtransform_by_parent_and_siblings, epsilon=epsilon)
 
     def search(
         params: Any,
@@ -157,7 +159,9 @@ def make_search(config: SearchConfig, model: Model, num_actions: int):
                 root,
                 recurrent_fn,
                 **common,
-                qtransform=functools.partial(mctx.qtransform_completed_by_mix_value, rescale_values=True),
+                qtransform=functools.partial(
+                    mctx.qtransform_completed_by_mix_value, rescale_values=True, epsilon=epsilon
+                ),
                 max_num_considered_actions=min(config.max_num_considered_actions, num_actions),
                 gumbel_scale=0.0 if greedy else config.gumbel_scale,
             )
