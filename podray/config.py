@@ -149,6 +149,16 @@ class AgentConfig:
     """Residual blocks of the latent dynamics (muzero); the representation uses network.depth/width."""
     reward_coef: float = 1.0
     """Weight of the reward loss (muzero); value_coef weights the value loss, the policy loss has 1."""
+    consistency_coef: float = 0.0
+    """Weight of the self-supervised consistency loss (muzero; EfficientZero, Ye et al., 2021): the
+    latents the dynamics predicts at unroll steps 1..consistency_steps are trained, through a
+    projection and a prediction head, towards the (gradient-stopped) projection of the representation
+    of the observations actually reached, by negative cosine similarity. It gives the dynamics a dense
+    signal about what each action does, where the reward and value targets alone carry little (sparse
+    rewards, few gradient steps). 0 turns it off (MuZero)."""
+    consistency_steps: int = 0
+    """Unroll steps trained by the consistency loss, 1..unroll_steps; 0 means all of them. Each replay
+    item stores this many more observations, so the replay's memory grows by that factor + 1."""
 
 
 @dataclass
@@ -677,6 +687,13 @@ def _validate_muzero(config: Config) -> None:
         raise ConfigError(f"agent.dynamics_blocks: must be >= 0, got {a.dynamics_blocks}")
     if a.reward_coef < 0:
         raise ConfigError(f"agent.reward_coef: must be >= 0, got {a.reward_coef}")
+    if a.consistency_coef < 0:
+        raise ConfigError(f"agent.consistency_coef: must be >= 0 (0 turns the loss off), got {a.consistency_coef}")
+    if not 0 <= a.consistency_steps <= a.unroll_steps:
+        raise ConfigError(
+            f"agent.consistency_steps: must be in [0, agent.unroll_steps={a.unroll_steps}] (0 means all), "
+            f"got {a.consistency_steps}"
+        )
     if a.epochs > 1 or a.num_minibatches > 1:
         raise ConfigError(
             "agent.epochs / agent.num_minibatches: muzero takes its gradient steps from the replay "

@@ -100,8 +100,9 @@ def test_unroll_has_k_steps_and_the_loss_falls_on_a_fixed_batch():
     state = agent.init(jax.random.PRNGKey(0))
     items = agent.items(state.params.network, _trajectory(jax.random.PRNGKey(1), T=8, B=8))
     flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), items)
-    policy, value, reward = jax.jit(agent.unroll)(state.params.network, flat)
+    policy, value, reward, latents = jax.jit(agent.unroll)(state.params.network, flat)
     assert policy.shape == (64, K + 1, 3) and value.shape == (64, K + 1, 11) and reward.shape == (64, K, 11)
+    assert latents.shape == (64, K, 32)
 
     @jax.jit
     def step(network, opt_state):
@@ -115,6 +116,44 @@ def test_unroll_has_k_steps_and_the_loss_falls_on_a_fixed_batch():
         losses.append(float(metrics["loss"]))
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_consistency_items_hold_the_next_observations_and_the_loss_learns_them():
+    """With the consistency loss on, each item holds the C observations after its state (zeros where
+    the episode ended or the trajectory ran out, all masked); training on a fixed batch raises the
+    cosine similarity of the dynamics' predictions to the representation of those observations."""
+    C = 2
+    agent = _agent(consistency_coef=2.0, consistency_steps=C)
+    state = agent.init(jax.random.PRNGKey(0))
+    traj = _trajectory(jax.random.PRNGKey(1), T=8, B=8)
+    items = agent.items(state.params.network, traj)
+    assert items.next_obs.shape == (8, 8, C, 4)
+    np.testing.assert_array_equal(items.next_obs[2, :, 0], traj.obs[3])
+    np.testing.assert_array_equal(items.next_obs[2, :, 1], traj.obs[4])
+    np.testing.assert_array_equal(items.next_obs[7, :, 1], 0.0)  # past the trajectory's end
+    assert float(items.policy_mask[7, :, 2].max()) == 0.0
+    assert _agent().items(state.params.network, traj).next_obs is None  # the loss off: no frames stored
+    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), items)
+
+    @jax.jit
+    def step(network, opt_state):
+        updates, opt_state, metrics, _ = agent.learn_step(network, opt_state, flat, None, None)
+        return jax.tree.map(jnp.add, network, updates), opt_state, metrics
+
+    network, opt_state = state.params.network, state.opt_state
+    consistency = []
+    for _ in range(40):
+        network, opt_state, metrics = step(network, opt_state)
+        consistency.append(float(metrics["consistency_loss"]))
+    masked = float(jnp.mean(jnp.sum(flat.policy_mask[:, 1 : C + 1], -1)))  # the loss's floor is -masked
+    assert all(math.isfinite(x) for x in consistency)
+    assert consistency[-1] < consistency[0] and consistency[-1] < -0.6 * masked, (consistency, masked)
+    # and through the replay in the learner state
+    update = jax.jit(agent.update)
+    for i in range(2):
+        state, metrics = update(state, _trajectory(jax.random.PRNGKey(i)), jax.random.PRNGKey(10 + i))
+    assert math.isfinite(float(metrics["consistency_loss"]))
+    assert jax.tree.leaves(state.replay.experience.next_obs)[0].shape[-2:] == (C, 4)
 
 
 def test_update_fills_the_replay_and_samples_at_the_replay_ratio():
@@ -190,6 +229,8 @@ def test_four_devices_on_quarters_equal_one_device_on_the_whole_batch():
         (["replay.replay_ratio=0"], "replay.replay_ratio"),
         (["replay.replay_ratio=-1"], "replay.replay_ratio"),
         (["agent.unroll_steps=0"], "agent.unroll_steps"),
+        (["agent.consistency_coef=-1"], "agent.consistency_coef"),
+        (["agent.consistency_steps=6"], "agent.consistency_steps"),
         (["search.policy=alphazero"], "search.policy"),
         (["search.temperature_decay=[0.75, 0.5]"], "search.temperature_decay"),
         (["replay.min_size=100000", "replay.capacity=5000"], "replay.min_size"),

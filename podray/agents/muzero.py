@@ -65,6 +65,9 @@ class ReplayItem:
       value: [K + 1] n-step value targets at t .. t+K (0 in the absorbing state).
       policy: [K + 1, A] search policies at t .. t+K (uniform where masked).
       reward_mask, value_mask, policy_mask: [K], [K + 1], [K + 1] float32, 1 where the target is known.
+      next_obs: [C, *obs_shape] the observations at t+1 .. t+C, the targets of the consistency loss
+        (C = the consistency steps; None when the loss is off, so the replay stores no more frames).
+        Where the episode ended or the trajectory ran out they are zeros, masked by policy_mask[1:].
     """
 
     obs: chex.Array
@@ -75,6 +78,7 @@ class ReplayItem:
     reward_mask: chex.Array
     value_mask: chex.Array
     policy_mask: chex.Array
+    next_obs: chex.Array | None = None
 
 
 def n_step_targets(
@@ -113,10 +117,16 @@ def _windows(x: chex.Array, length: int, fill: Any) -> chex.Array:
 
 
 def make_items(
-    trajectory: Trajectory, bootstrap: chex.Array, unroll_steps: int, td_steps: int, gamma: float
+    trajectory: Trajectory,
+    bootstrap: chex.Array,
+    unroll_steps: int,
+    td_steps: int,
+    gamma: float,
+    consistency_steps: int = 0,
 ) -> ReplayItem:
     """Replay items [T, B] (one per step) from a trajectory [T, B] and the value [B] of its last
-    observation; see ReplayItem. The search policy is softmax(actor_out.logits)."""
+    observation; see ReplayItem. The search policy is softmax(actor_out.logits). With
+    `consistency_steps` C > 0 each item also holds the next C observations."""
     K = unroll_steps
     T, B = trajectory.action.shape
     A = trajectory.actor_out.logits.shape[-1]
@@ -138,6 +148,7 @@ def make_items(
         reward_mask=jnp.maximum(in_chunk[..., :K], absorbed[..., :K]) * jnp.ones((T, B, K)),
         value_mask=jnp.maximum(in_chunk, absorbed),
         policy_mask=in_chunk * alive,
+        next_obs=_windows(trajectory.obs[1:], consistency_steps, 0) if consistency_steps else None,
     )
 
 
@@ -201,7 +212,10 @@ class MuZero(Agent):
             num_bins=self.num_bins,
             obs_rank=len(spec.obs_shape),
             dynamics_blocks=config.dynamics_blocks,
+            consistency=config.consistency_coef > 0,
         )
+        # The unroll steps the consistency loss trains (0: none, the loss is off).
+        self.consistency_steps = (config.consistency_steps or config.unroll_steps) if config.consistency_coef > 0 else 0
         self.optimizer = self._make_optimizer()
         self.capacity = r.capacity // num_devices
         self.batch_size = r.batch_size // num_devices
@@ -266,6 +280,11 @@ class MuZero(Agent):
             reward_mask=f(K),
             value_mask=f(K + 1),
             policy_mask=f(K + 1),
+            next_obs=(
+                jnp.zeros((self.consistency_steps, *self.spec.obs_shape), self.spec.obs_dtype)
+                if self.consistency_steps
+                else None
+            ),
         )
 
     def init(self, key: chex.PRNGKey) -> MuZeroState:
@@ -313,15 +332,18 @@ class MuZero(Agent):
         """`act` with keys [B, 2] from `action_noise`."""
         return self.act(params, obs, noise)
 
-    def unroll(self, network: Any, items: ReplayItem) -> tuple[chex.Array, chex.Array, chex.Array]:
+    def unroll(
+        self, network: Any, items: ReplayItem
+    ) -> tuple[chex.Array, chex.Array, chex.Array, chex.Array]:
         """The model unrolled K steps along the items' actions.
 
         Args:
           network: MuZeroNetwork parameters.
           items: ReplayItem with a leading batch axis N.
         Returns:
-          (policy logits [N, K+1, A], value logits [N, K+1, bins], reward logits [N, K, bins]). The
-          gradient into each dynamics step is halved (MuZero, Appendix G).
+          (policy logits [N, K+1, A], value logits [N, K+1, bins], reward logits [N, K, bins], the
+          dynamics' latents [N, K, width] at steps 1..K). The gradient into each dynamics step is
+          halved (MuZero, Appendix G).
         """
         apply = self.network.apply
         latent = apply(network, items.obs, method=MuZeroNetwork.represent)
@@ -329,16 +351,17 @@ class MuZero(Agent):
 
         def step(latent, action):
             latent, reward = apply(network, scale_gradient(latent, 0.5), action, method=MuZeroNetwork.dynamics)
-            return latent, (*apply(network, latent, method=MuZeroNetwork.predict), reward)
+            return latent, (*apply(network, latent, method=MuZeroNetwork.predict), reward, latent)
 
         # A scan over the K steps (the dynamics and prediction are dense layers, which scan well on any
         # backend): the program holds one step's forward and backward pass, not K.
-        _, (policies, values, rewards) = jax.lax.scan(step, latent, jnp.swapaxes(items.action, 0, 1))
+        _, (policies, values, rewards, latents) = jax.lax.scan(step, latent, jnp.swapaxes(items.action, 0, 1))
         move = lambda x: jnp.swapaxes(x, 0, 1)  # noqa: E731  [K, N, ...] -> [N, K, ...]
         return (
             jnp.concatenate([policy[:, None], move(policies)], 1),
             jnp.concatenate([value[:, None], move(values)], 1),
             move(rewards),
+            move(latents),
         )
 
     def replay_loss(
@@ -349,11 +372,12 @@ class MuZero(Agent):
         Cross-entropies of the policy (against the search policy), the value (against the two-hot of
         h(n-step target)) and the reward (against the two-hot of h(reward)); the unrolled steps' terms
         are scaled by 1/K (MuZero's gradient scaling). `weights` [N] are importance weights (1 if None).
+        With agent.consistency_coef > 0, the consistency loss of the first C unrolled latents is added.
         Returns (loss, (metrics, priorities [N] = |predicted value - target| at the root)).
         """
         c = self.config
         K = c.unroll_steps
-        policy_logits, value_logits, reward_logits = self.unroll(network, items)
+        policy_logits, value_logits, reward_logits, latents = self.unroll(network, items)
         step_scale = jnp.concatenate([jnp.ones((1,)), jnp.full((K,), 1.0 / K)])
         policy_ce = _cross_entropy(items.policy, policy_logits) * items.policy_mask  # [N, K+1]
         value_ce = _cross_entropy(self.tx.apply(items.value), value_logits) * items.value_mask
@@ -362,6 +386,10 @@ class MuZero(Agent):
             jnp.sum((policy_ce + c.value_coef * value_ce) * step_scale, axis=-1)
             + c.reward_coef * jnp.sum(reward_ce, axis=-1) / K
         )
+        consistency = None
+        if self.consistency_steps:
+            consistency = self.consistency_loss(network, latents, items)  # [N]
+            per_item = per_item + c.consistency_coef * consistency
         weights = jnp.ones_like(per_item) if weights is None else weights
         loss = jnp.mean(weights * per_item)
         root_value = self.scalar(value_logits[:, 0])
@@ -374,7 +402,23 @@ class MuZero(Agent):
             "value_prediction": jnp.mean(root_value),
             "value_target": jnp.mean(items.value[:, 0]),
         }
+        if consistency is not None:
+            metrics["consistency_loss"] = jnp.mean(consistency)
         return loss, (metrics, priorities)
+
+    def consistency_loss(self, network: Any, latents: chex.Array, items: ReplayItem) -> chex.Array:
+        """EfficientZero's consistency loss [N]: minus the cosine similarity of the prediction head's
+        output on the dynamics' latents [N, K, width] at steps 1..C and the gradient-stopped projection
+        of the representation of the observations reached (items.next_obs [N, C, ...]), summed over
+        the steps within the episode (EfficientZero sums its unrolled terms)."""
+        apply, C = self.network.apply, self.consistency_steps
+        predicted = apply(network, latents[:, :C], True, method=MuZeroNetwork.project)
+        N = items.next_obs.shape[0]
+        observed = apply(network, items.next_obs.reshape((N * C,) + items.next_obs.shape[2:]), method=MuZeroNetwork.represent)
+        target = jax.lax.stop_gradient(apply(network, observed.reshape(N, C, -1), False, method=MuZeroNetwork.project))
+        unit = lambda x: x / (jnp.linalg.norm(x, axis=-1, keepdims=True) + 1e-8)  # noqa: E731
+        cosine = jnp.sum(unit(predicted) * unit(target), axis=-1)  # [N, C]
+        return -jnp.sum(cosine * items.policy_mask[:, 1 : C + 1], axis=-1)
 
     def loss(self, params: MuZeroParams, trajectory: Trajectory) -> tuple[chex.Array, dict[str, chex.Array]]:
         """The loss of every item of one trajectory [T, B] (targets from its search, no replay)."""
@@ -387,7 +431,7 @@ class MuZero(Agent):
         """Replay items [T, B] of a trajectory; the last observation's value comes from `network`."""
         bootstrap = self._root(network, trajectory.obs[-1]).value
         c = self.config
-        return make_items(trajectory, bootstrap, c.unroll_steps, c.td_steps, c.discount)
+        return make_items(trajectory, bootstrap, c.unroll_steps, c.td_steps, c.discount, self.consistency_steps)
 
     def model_consistency(self, network: Any, trajectory: Trajectory) -> chex.Array:
         """How well one dynamics step predicts the next state's representation on the new trajectory:

@@ -49,6 +49,7 @@ class MuZeroNetwork(nn.Module):
       num_bins: bins of the categorical value and reward heads.
       obs_rank: rank of one observation (the MLP flattens that many trailing axes).
       dynamics_blocks: residual blocks of the dynamics.
+      consistency: build the projection and prediction heads of the consistency loss (EfficientZero).
     """
 
     config: NetworkConfig
@@ -56,6 +57,7 @@ class MuZeroNetwork(nn.Module):
     num_bins: int
     obs_rank: int = 1
     dynamics_blocks: int = 1
+    consistency: bool = False
 
     def setup(self):
         width = self.config.width
@@ -68,6 +70,11 @@ class MuZeroNetwork(nn.Module):
         self.prediction_hidden = _dense(width)
         self.policy_out = _dense(self.num_actions, scale=0.01)
         self.value_out = nn.Dense(self.num_bins, kernel_init=nn.initializers.zeros)
+        if self.consistency:
+            # SimSiam's heads as EfficientZero sizes them: a projection of the latent, and a narrower
+            # prediction head applied to the dynamics' side only.
+            self.projection = [_dense(width), nn.LayerNorm(), _dense(width)]
+            self.projection_head = [_dense(width // 4), nn.LayerNorm(), _dense(width)]
 
     def represent(self, obs: chex.Array) -> chex.Array:
         """Latents [..., width] of observations [..., *obs_shape]."""
@@ -88,8 +95,22 @@ class MuZeroNetwork(nn.Module):
         x = nn.relu(self.prediction_hidden(latent))
         return self.policy_out(x), self.value_out(x)
 
+    def project(self, latent: chex.Array, head: bool) -> chex.Array:
+        """The consistency loss's projection [..., width] of latents; with `head`, followed by the
+        prediction head (the side whose gradient flows: the dynamics' latents)."""
+        layers = tuple(self.projection) + (tuple(self.projection_head) if head else ())
+        x = latent
+        for layer in layers:
+            x = layer(x)
+            if isinstance(layer, nn.LayerNorm):
+                x = nn.relu(x)
+        return x
+
     def __call__(self, obs: chex.Array, action: chex.Array):
-        """All three networks once (what `init` traces): obs [B, ...], action [B]."""
+        """All the networks once (what `init` traces): obs [B, ...], action [B]."""
         latent = self.represent(obs)
         next_latent, reward_logits = self.dynamics(latent, action)
-        return self.predict(latent), self.predict(next_latent), reward_logits
+        out = (self.predict(latent), self.predict(next_latent), reward_logits)
+        if self.consistency:
+            out = out + (self.project(next_latent, head=True),)
+        return out
