@@ -13,7 +13,9 @@ search policies, the rewards), with masks. Targets are computed when the traject
 it: a trajectory's rows need not continue each other across updates (under Sebulba they come from
 different actor threads), so an unroll never crosses into another update's data. Past an episode's
 end the model is trained on an absorbing state (value and reward 0, no policy target); positions past
-the trajectory's end while the episode goes on are masked out.
+the trajectory's end while the episode goes on are masked out. With agent.consistency_coef > 0 the
+loss also trains the dynamics' latents towards the representation of the observations reached
+(EfficientZero's consistency loss), and each item holds those observations.
 """
 
 from __future__ import annotations
@@ -436,7 +438,8 @@ class MuZero(Agent):
     def model_consistency(self, network: Any, trajectory: Trajectory) -> chex.Array:
         """How well one dynamics step predicts the next state's representation on the new trajectory:
         the mean cosine similarity of g(h(o_t), a_t) and h(o_{t+1}) over steps within an episode (1 is
-        a perfect match). A metric only (MuZero does not train the two to agree)."""
+        a perfect match). A metric of the raw latents: the consistency loss (when on) trains their
+        projections, not the latents themselves, to agree."""
         apply = self.network.apply
         latent = apply(network, trajectory.obs, method=MuZeroNetwork.represent)  # [T+1, B, L]
         predicted, _ = apply(network, latent[:-1], trajectory.action, method=MuZeroNetwork.dynamics)
