@@ -28,6 +28,17 @@ def scale_latent(x: chex.Array, eps: float = 1e-5) -> chex.Array:
     return (x - low) / (high - low + eps)
 
 
+def standardize_over_batch(x: chex.Array, eps: float = 1e-5) -> chex.Array:
+    """Each feature of x [..., F] standardised over all the leading axes (the batch): a batch norm
+    without learned scale or running statistics, as EfficientZero ends its projection with. Without it
+    the latents' shared component (min-max scaled, they are all non-negative) makes any two
+    projections nearly parallel, and a cosine loss on them carries almost no signal."""
+    axes = tuple(range(x.ndim - 1))
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    var = jnp.var(x, axis=axes, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps)
+
+
 class _ResidualDense(nn.Module):
     """x + dense(relu(norm(dense(relu(norm(x)))))): a pre-activation residual block on vectors."""
 
@@ -98,12 +109,17 @@ class MuZeroNetwork(nn.Module):
     def project(self, latent: chex.Array, head: bool) -> chex.Array:
         """The consistency loss's projection [..., width] of latents; with `head`, followed by the
         prediction head (the side whose gradient flows: the dynamics' latents)."""
-        layers = tuple(self.projection) + (tuple(self.projection_head) if head else ())
         x = latent
-        for layer in layers:
+        for layer in self.projection:
             x = layer(x)
             if isinstance(layer, nn.LayerNorm):
                 x = nn.relu(x)
+        x = standardize_over_batch(x)
+        if head:
+            for layer in self.projection_head:
+                x = layer(x)
+                if isinstance(layer, nn.LayerNorm):
+                    x = nn.relu(x)
         return x
 
     def __call__(self, obs: chex.Array, action: chex.Array):
