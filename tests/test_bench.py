@@ -63,8 +63,8 @@ def test_bench_sebulba_measures_one_small_muzero_setting():
         value = getattr(row, name)
         assert math.isfinite(value) and value > 0, (name, value)
     # the replay fills (72 transitions) in 3 updates of 4 x 6 before the timed ones, which take
-    # round(0.5 x 24 / 8) = 2 gradient steps each
-    assert row.gradient_steps == 2.0
+    # round(2 x 24 / 8) = 6 gradient steps each (the preset's replay ratio is 2)
+    assert row.gradient_steps == 6.0
     assert row.learner_updates >= 3 and math.isfinite(row.policy_lag)
     bound = 1 / (1 / row.env_steps_per_s + 1 / row.inference_steps_per_s + 1 / row.learner_steps_per_s)
     assert abs(row.ceiling_steps_per_s - bound) < 1e-9 * bound
