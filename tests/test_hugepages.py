@@ -37,9 +37,7 @@ def test_reexecute_runs_the_same_command_once_with_the_tunable():
         "import os; print('run', os.environ.get('GLIBC_TUNABLES'), flush=True); "
         "from podray import hugepages; hugepages.reexecute(); print('done')"
     )
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "PODRAY_REEXECUTED", "MALLOC_ARENA_MAX")
-    }
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "PODRAY_REEXECUTED", "MALLOC_ARENA_MAX")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["run None", "run glibc.malloc.hugetlb=1:glibc.malloc.arena_max=2", "done"]

@@ -131,7 +131,9 @@ def test_greedy_search_plays_the_best_action_whatever_the_key(config):
         np.testing.assert_array_equal(np.asarray(out.action)[rows], np.asarray(greedy[0].action)[rows])
     sampled = [np.asarray(search(None, obs, jax.random.PRNGKey(seed)).action) for seed in range(3)]
     assert any((a != sampled[0]).any() for a in sampled[1:])  # the acting search does sample
-    trap = jax.jit(make_search(dataclasses.replace(config, num_simulations=24), _trap_model(), A), static_argnames="greedy")
+    trap = jax.jit(
+        make_search(dataclasses.replace(config, num_simulations=24), _trap_model(), A), static_argnames="greedy"
+    )
     out = trap(None, jnp.zeros((8, 1)), jax.random.PRNGKey(0), greedy=True)
     np.testing.assert_array_equal(np.asarray(out.action), 2)
 
@@ -151,7 +153,9 @@ def _noisy_model(spread: float) -> Model:
 
     def root(params, obs):
         B = obs.shape[0]
-        return ModelOutput(latent=jnp.zeros((B, 1)), prior_logits=jnp.zeros((B, A)), value=jnp.zeros(B), reward=jnp.zeros(B))
+        return ModelOutput(
+            latent=jnp.zeros((B, 1)), prior_logits=jnp.zeros((B, A)), value=jnp.zeros(B), reward=jnp.zeros(B)
+        )
 
     def recurrent(params, latent, action):
         B = latent.shape[0]
@@ -172,7 +176,9 @@ def test_min_value_range_keeps_noise_sized_q_differences_from_peaking_the_policy
 
     def policy_of(spread, floor):
         config = SearchConfig(policy=policy, num_simulations=16, max_num_considered_actions=A, min_value_range=floor)
-        return np.asarray(jax.jit(make_search(config, _noisy_model(spread), A))(None, obs, jax.random.PRNGKey(0)).policy)
+        return np.asarray(
+            jax.jit(make_search(config, _noisy_model(spread), A))(None, obs, jax.random.PRNGKey(0)).policy
+        )
 
     stretched, floored = policy_of(0.01, 0.0).mean(0), policy_of(0.01, 1.0).mean(0)
     assert stretched[2] > 0.5, stretched  # gumbel: about 0.94; PUCT's visit counts: about 0.55

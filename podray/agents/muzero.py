@@ -334,9 +334,7 @@ class MuZero(Agent):
         """`act` with keys [B, 2] from `action_noise`."""
         return self.act(params, obs, noise)
 
-    def unroll(
-        self, network: Any, items: ReplayItem
-    ) -> tuple[chex.Array, chex.Array, chex.Array, chex.Array]:
+    def unroll(self, network: Any, items: ReplayItem) -> tuple[chex.Array, chex.Array, chex.Array, chex.Array]:
         """The model unrolled K steps along the items' actions.
 
         Args:
@@ -416,7 +414,9 @@ class MuZero(Agent):
         apply, C = self.network.apply, self.consistency_steps
         predicted = apply(network, latents[:, :C], True, method=MuZeroNetwork.project)
         N = items.next_obs.shape[0]
-        observed = apply(network, items.next_obs.reshape((N * C,) + items.next_obs.shape[2:]), method=MuZeroNetwork.represent)
+        observed = apply(
+            network, items.next_obs.reshape((N * C,) + items.next_obs.shape[2:]), method=MuZeroNetwork.represent
+        )
         target = jax.lax.stop_gradient(apply(network, observed.reshape(N, C, -1), False, method=MuZeroNetwork.project))
         unit = lambda x: x / (jnp.linalg.norm(x, axis=-1, keepdims=True) + 1e-8)  # noqa: E731
         cosine = jnp.sum(unit(predicted) * unit(target), axis=-1)  # [N, C]
