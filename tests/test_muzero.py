@@ -44,6 +44,21 @@ def _trajectory(key, T=8, B=4, logits=None):
     )
 
 
+def _fit(agent, state, flat, steps, metric):
+    """`steps` gradient steps on one fixed batch of items [N]; the value of `metric` after each."""
+
+    @jax.jit
+    def step(network, opt_state):
+        updates, opt_state, metrics, _ = agent.learn_step(network, opt_state, flat, None, None)
+        return jax.tree.map(jnp.add, network, updates), opt_state, metrics
+
+    network, opt_state, values = state.params.network, state.opt_state, []
+    for _ in range(steps):
+        network, opt_state, metrics = step(network, opt_state)
+        values.append(float(metrics[metric]))
+    return values
+
+
 def test_h_transform_and_two_hot_round_trip():
     x = jnp.linspace(-80.0, 80.0, 321)
     np.testing.assert_allclose(rlax.signed_parabolic(rlax.signed_hyperbolic(x)), x, rtol=1e-4, atol=1e-3)
@@ -104,16 +119,7 @@ def test_unroll_has_k_steps_and_the_loss_falls_on_a_fixed_batch():
     assert policy.shape == (64, K + 1, 3) and value.shape == (64, K + 1, 11) and reward.shape == (64, K, 11)
     assert latents.shape == (64, K, 32)
 
-    @jax.jit
-    def step(network, opt_state):
-        updates, opt_state, metrics, _ = agent.learn_step(network, opt_state, flat, None, None)
-        return jax.tree.map(jnp.add, network, updates), opt_state, metrics
-
-    network, opt_state = state.params.network, state.opt_state
-    losses = []
-    for _ in range(30):
-        network, opt_state, metrics = step(network, opt_state)
-        losses.append(float(metrics["loss"]))
+    losses = _fit(agent, state, flat, 30, "loss")
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < 0.7 * losses[0], losses
 
@@ -135,16 +141,7 @@ def test_consistency_items_hold_the_next_observations_and_the_loss_learns_them()
     assert _agent().items(state.params.network, traj).next_obs is None  # the loss off: no frames stored
     flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), items)
 
-    @jax.jit
-    def step(network, opt_state):
-        updates, opt_state, metrics, _ = agent.learn_step(network, opt_state, flat, None, None)
-        return jax.tree.map(jnp.add, network, updates), opt_state, metrics
-
-    network, opt_state = state.params.network, state.opt_state
-    consistency = []
-    for _ in range(40):
-        network, opt_state, metrics = step(network, opt_state)
-        consistency.append(float(metrics["consistency_loss"]))
+    consistency = _fit(agent, state, flat, 40, "consistency_loss")
     masked = float(jnp.mean(jnp.sum(flat.policy_mask[:, 1 : C + 1], -1)))  # the loss's floor is -masked
     assert all(math.isfinite(x) for x in consistency)
     assert consistency[-1] < consistency[0] and consistency[-1] < -0.3 * masked, (consistency, masked)
