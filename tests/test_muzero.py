@@ -179,6 +179,27 @@ def test_update_fills_the_replay_and_samples_at_the_replay_ratio():
     assert jax.tree.leaves(state.replay)[0].shape[0] == 1  # the device axis of the shard
 
 
+def test_trajectory_stats_measure_how_far_the_search_moved_the_policy():
+    agent = _agent()
+    network = agent.init(jax.random.PRNGKey(0)).params.network
+    trajectory = _trajectory(jax.random.PRNGKey(1))
+    latent = agent.network.apply(network, trajectory.obs[:-1], method=type(agent.network).represent)
+    prior_logits, _ = agent.network.apply(network, latent, method=type(agent.network).predict)
+    prior = jax.nn.softmax(prior_logits)
+    # a search that left the prior as it was
+    same = agent.trajectory_stats(network, trajectory.replace(actor_out=ActorOut(prior_logits, jnp.ones((8, 4)))))
+    assert float(same["search_prior_kl"]) == pytest.approx(0.0, abs=1e-5)
+    entropy = -np.sum(np.asarray(prior) * np.log(np.asarray(prior)), -1).mean()
+    assert float(same["prior_entropy"]) == pytest.approx(entropy, rel=1e-5)
+    # a search that put nearly all the mass on action 0: KL = -log prior(0) + the search's own entropy term
+    peaked = jnp.log(jnp.array([1.0 - 2e-6, 1e-6, 1e-6]))
+    moved = agent.trajectory_stats(
+        network, trajectory.replace(actor_out=ActorOut(jnp.broadcast_to(peaked, (8, 4, 3)), jnp.ones((8, 4))))
+    )
+    assert float(moved["search_prior_kl"]) == pytest.approx(float(jnp.mean(-jnp.log(prior[..., 0]))), rel=1e-3)
+    assert -1.0 <= float(moved["model_consistency"]) <= 1.0
+
+
 def test_prioritized_replay_updates_finite():
     replay = ReplayConfig(capacity=128, min_size=0, batch_size=16, replay_ratio=1.0, sampling="prioritized")
     agent = _agent(replay=replay)

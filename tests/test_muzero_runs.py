@@ -103,7 +103,8 @@ def test_anakin_muzero_resume_with_the_replay_is_bitwise_identical(tmp_path):
     assert jax.tree.leaves(replay)[0].shape[:2] == (1, 2)  # [replicas, devices, ...]
     assert int(np.asarray(replay.current_index).max()) > 0
     rows = read_jsonl(tmp_path / "full" / "metrics.jsonl")
-    names = ("root_value", "search_entropy", "reward_loss", "model_consistency", "buffer_fill", "replay_ratio")
+    names = ("root_value", "search_entropy", "prior_entropy", "search_prior_kl", "reward_loss", "model_consistency")
+    names += ("buffer_fill", "replay_ratio")
     for name in names:
         assert all(math.isfinite(row[name]) for row in rows), name
     assert rows[-1]["buffer_fill"] > 0 and rows[-1]["replay_ratio"] > 0

@@ -435,11 +435,18 @@ class MuZero(Agent):
         c = self.config
         return make_items(trajectory, bootstrap, c.unroll_steps, c.td_steps, c.discount, self.consistency_steps)
 
-    def model_consistency(self, network: Any, trajectory: Trajectory) -> chex.Array:
-        """How well one dynamics step predicts the next state's representation on the new trajectory:
-        the mean cosine similarity of g(h(o_t), a_t) and h(o_{t+1}) over steps within an episode (1 is
-        a perfect match). A metric of the raw latents: the consistency loss (when on) trains their
-        projections, not the latents themselves, to agree."""
+    def trajectory_stats(self, network: Any, trajectory: Trajectory) -> dict[str, chex.Array]:
+        """What the network makes of the new trajectory [T, B], from one representation of its
+        observations:
+
+        - model_consistency: how well one dynamics step predicts the next state's representation, the
+          mean cosine similarity of g(h(o_t), a_t) and h(o_{t+1}) over steps within an episode (1 is a
+          perfect match). A metric of the raw latents: the consistency loss (when on) trains their
+          projections, not the latents themselves, to agree.
+        - prior_entropy: the mean entropy of the network's own policy at the observations acted on.
+        - search_prior_kl: the mean KL(search policy || that policy), how far the search moved the
+          policy; near 0 while the model's Q-values do not yet tell the actions apart.
+        """
         apply = self.network.apply
         latent = apply(network, trajectory.obs, method=MuZeroNetwork.represent)  # [T+1, B, L]
         predicted, _ = apply(network, latent[:-1], trajectory.action, method=MuZeroNetwork.dynamics)
@@ -448,7 +455,14 @@ class MuZero(Agent):
             jnp.linalg.norm(predicted, axis=-1) * jnp.linalg.norm(target, axis=-1) + 1e-8
         )
         alive = trajectory.discount > 0
-        return jnp.sum(jnp.where(alive, cosine, 0.0)) / jnp.maximum(jnp.sum(alive), 1)
+        prior_logits, _ = apply(network, latent[:-1], method=MuZeroNetwork.predict)
+        log_prior = jax.nn.log_softmax(prior_logits)
+        log_search = jax.nn.log_softmax(trajectory.actor_out.logits)
+        return {
+            "model_consistency": jnp.sum(jnp.where(alive, cosine, 0.0)) / jnp.maximum(jnp.sum(alive), 1),
+            "prior_entropy": jnp.mean(policy_entropy(jnp.exp(log_prior))),
+            "search_prior_kl": jnp.mean(jnp.sum(jnp.exp(log_search) * (log_search - log_prior), axis=-1)),
+        }
 
     def gradient_steps(self, new_transitions: int) -> int:
         """Gradient steps of an update that brings `new_transitions` (on this device)."""
@@ -514,10 +528,10 @@ class MuZero(Agent):
         )
         metrics = jax.tree.map(jnp.mean, metrics)
         search_policy = jax.nn.softmax(trajectory.actor_out.logits)
+        metrics.update(self.trajectory_stats(network, trajectory))
         metrics.update(
             root_value=jnp.mean(trajectory.actor_out.value),
             search_entropy=jnp.mean(policy_entropy(search_policy)),
-            model_consistency=self.model_consistency(network, trajectory),
             buffer_fill=fill.astype(jnp.float32) / self.capacity,
             replay_ratio=ready.astype(jnp.float32) * steps * self.batch_size / (T * B),
             gradient_steps=ready.astype(jnp.float32) * steps,
