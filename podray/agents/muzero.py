@@ -443,7 +443,8 @@ class MuZero(Agent):
           mean cosine similarity of g(h(o_t), a_t) and h(o_{t+1}) over steps within an episode (1 is a
           perfect match). A metric of the raw latents: the consistency loss (when on) trains their
           projections, not the latents themselves, to agree.
-        - prior_entropy: the mean entropy of the network's own policy at the observations acted on.
+        - search_entropy, prior_entropy: the mean entropy of the search policy, and of the network's
+          own policy, at the observations acted on.
         - search_prior_kl: the mean KL(search policy || that policy), how far the search moved the
           policy; near 0 while the model's Q-values do not yet tell the actions apart.
         """
@@ -460,6 +461,7 @@ class MuZero(Agent):
         log_search = jax.nn.log_softmax(trajectory.actor_out.logits)
         return {
             "model_consistency": jnp.sum(jnp.where(alive, cosine, 0.0)) / jnp.maximum(jnp.sum(alive), 1),
+            "search_entropy": jnp.mean(policy_entropy(jnp.exp(log_search))),
             "prior_entropy": jnp.mean(policy_entropy(jnp.exp(log_prior))),
             "search_prior_kl": jnp.mean(jnp.sum(jnp.exp(log_search) * (log_search - log_prior), axis=-1)),
         }
@@ -527,11 +529,9 @@ class MuZero(Agent):
             step, (network, state.opt_state, buffer_state), jax.random.split(key, steps)
         )
         metrics = jax.tree.map(jnp.mean, metrics)
-        search_policy = jax.nn.softmax(trajectory.actor_out.logits)
         metrics.update(self.trajectory_stats(network, trajectory))
         metrics.update(
             root_value=jnp.mean(trajectory.actor_out.value),
-            search_entropy=jnp.mean(policy_entropy(search_policy)),
             buffer_fill=fill.astype(jnp.float32) / self.capacity,
             replay_ratio=ready.astype(jnp.float32) * steps * self.batch_size / (T * B),
             gradient_steps=ready.astype(jnp.float32) * steps,
