@@ -147,6 +147,11 @@ class AgentConfig:
     [-support_size, support_size] in h(x) space (h the invertible transform of Pohlen et al.; muzero)."""
     dynamics_blocks: int = 1
     """Residual blocks of the latent dynamics (muzero); the representation uses network.depth/width."""
+    latent_channels: int = 0
+    """The latent state of the model (muzero): 0 for a vector of network.width features with dense
+    dynamics; above 0, a feature map of this many channels on the pixel torso's last one (7x7 for the
+    Nature CNN at 84x84 frames) with convolutional dynamics, as MuZero and EfficientZero on Atari.
+    Pixel torsos only."""
     reward_coef: float = 1.0
     """Weight of the reward loss (muzero); value_coef weights the value loss, the policy loss has 1."""
     consistency_coef: float = 0.0
@@ -685,6 +690,13 @@ def _validate_muzero(config: Config) -> None:
     _positive("agent.support_size", a.support_size)
     if a.dynamics_blocks < 0:
         raise ConfigError(f"agent.dynamics_blocks: must be >= 0, got {a.dynamics_blocks}")
+    if a.latent_channels < 0:
+        raise ConfigError(f"agent.latent_channels: must be >= 0 (0: a vector latent), got {a.latent_channels}")
+    if a.latent_channels and config.network.torso == "mlp":
+        raise ConfigError(
+            f"agent.latent_channels: {a.latent_channels} asks for a spatial latent, which needs a pixel torso "
+            "(network.torso nature_cnn or impala_resnet); use 0 with the mlp torso"
+        )
     if a.reward_coef < 0:
         raise ConfigError(f"agent.reward_coef: must be >= 0, got {a.reward_coef}")
     if a.consistency_coef < 0:

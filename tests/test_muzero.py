@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from podray import config as config_lib
 from podray.agents import ActorOut, MuZero, Trajectory, build_agent
 from podray.agents.muzero import make_items, n_step_targets
+from podray.agents.muzero_network import MuZeroNetwork
 from podray.config import AgentConfig, ConfigError, NetworkConfig, ReplayConfig, SearchConfig
 from podray.envs.spec import EnvSpec
 from podray.host import HostContext
@@ -153,6 +154,43 @@ def test_consistency_items_hold_the_next_observations_and_the_loss_learns_them()
     assert jax.tree.leaves(state.replay.experience.next_obs)[0].shape[-2:] == (C, 4)
 
 
+def test_spatial_latent_unrolls_a_feature_map_and_its_loss_falls_on_pixels():
+    """agent.latent_channels > 0: on a pixel torso the latent is a feature map [H, W, C] min-max scaled
+    over the whole map, the dynamics convolutional; the K-step loss with the consistency loss falls on
+    a fixed batch of frames, and the search acts with it."""
+    spec = EnvSpec("pixels", (44, 44, 4), "uint8", 3)  # the Nature CNN's feature map is 2x2 here
+    fields = dict(name="muzero", unroll_steps=K, td_steps=3, support_size=5, learning_rate=3e-3, anneal_lr=False)
+    agent = MuZero(
+        AgentConfig(**fields, latent_channels=8, dynamics_blocks=1, consistency_coef=1.0, consistency_steps=2),
+        NetworkConfig(torso="nature_cnn", width=32),
+        spec,
+        100,
+        SearchConfig(policy="gumbel", num_simulations=4, max_num_considered_actions=3),
+        ReplayConfig(capacity=256, min_size=0, batch_size=16, replay_ratio=1.0),
+    )
+    state = agent.init(jax.random.PRNGKey(0))
+    k = jax.random.split(jax.random.PRNGKey(1), 2)
+    traj = _trajectory(k[0], T=6, B=4).replace(
+        obs=jax.random.randint(k[1], (7, 4, 44, 44, 4), 0, 256).astype(jnp.uint8)
+    )
+    latent = agent.network.apply(state.params.network, traj.obs[0], method=MuZeroNetwork.represent)
+    assert latent.shape == (4, 2, 2, 8)
+    np.testing.assert_allclose(latent.min(axis=(1, 2, 3)), 0.0, atol=1e-6)
+    np.testing.assert_allclose(latent.max(axis=(1, 2, 3)), 1.0, atol=1e-3)
+    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), agent.items(state.params.network, traj))
+    policy, value, reward, latents = jax.jit(agent.unroll)(state.params.network, flat)
+    assert policy.shape == (24, K + 1, 3) and reward.shape == (24, K, 11) and latents.shape == (24, K, 2, 2, 8)
+
+    losses = _fit(agent, state, flat, 30, "loss")
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 0.7 * losses[0], losses
+    action, out = jax.jit(agent.act)(state.params, traj.obs[0], jax.random.PRNGKey(2))
+    assert action.shape == (4,) and bool(jnp.all((action >= 0) & (action < 3)))
+    np.testing.assert_allclose(jnp.exp(out.logits).sum(-1), 1.0, atol=1e-5)
+    stats = jax.jit(agent.trajectory_stats)(state.params.network, traj)
+    assert -1.0 <= float(stats["model_consistency"]) <= 1.0
+
+
 def test_update_fills_the_replay_and_samples_at_the_replay_ratio():
     replay = ReplayConfig(capacity=128, min_size=48, batch_size=16, replay_ratio=2.0)
     agent = _agent(replay=replay)
@@ -249,6 +287,7 @@ def test_four_devices_on_quarters_equal_one_device_on_the_whole_batch():
         (["agent.unroll_steps=0"], "agent.unroll_steps"),
         (["agent.consistency_coef=-1"], "agent.consistency_coef"),
         (["agent.consistency_steps=6"], "agent.consistency_steps"),
+        (["agent.latent_channels=8"], "agent.latent_channels"),  # a spatial latent on the mlp torso
         (["search.policy=alphazero"], "search.policy"),
         (["search.temperature_decay=[0.75, 0.5]"], "search.temperature_decay"),
         (["replay.min_size=100000", "replay.capacity=5000"], "replay.min_size"),

@@ -31,7 +31,7 @@ import rlax
 from flax import struct
 
 from podray.agents.base import ActorOut, Agent, AxisName, TrainState, Trajectory, _unrolled_scan, mean_over
-from podray.agents.muzero_network import MuZeroNetwork
+from podray.agents.muzero_network import MuZeroNetwork, flatten_latent
 from podray.config import AgentConfig, ConfigError, NetworkConfig, ReplayConfig, SearchConfig
 from podray.envs.spec import EnvSpec
 from podray.search import Model, ModelOutput, make_search, policy_entropy, temperature_at
@@ -215,6 +215,7 @@ class MuZero(Agent):
             obs_rank=len(spec.obs_shape),
             dynamics_blocks=config.dynamics_blocks,
             consistency=config.consistency_coef > 0,
+            latent_channels=config.latent_channels,
         )
         # The unroll steps the consistency loss trains (0: none, the loss is off).
         self.consistency_steps = (config.consistency_steps or config.unroll_steps) if config.consistency_coef > 0 else 0
@@ -342,7 +343,7 @@ class MuZero(Agent):
           items: ReplayItem with a leading batch axis N.
         Returns:
           (policy logits [N, K+1, A], value logits [N, K+1, bins], reward logits [N, K, bins], the
-          dynamics' latents [N, K, width] at steps 1..K). The gradient into each dynamics step is
+          dynamics' latents [N, K, *latent_shape] at steps 1..K). The gradient into each dynamics step is
           halved (MuZero, Appendix G).
         """
         apply = self.network.apply
@@ -353,9 +354,11 @@ class MuZero(Agent):
             latent, reward = apply(network, scale_gradient(latent, 0.5), action, method=MuZeroNetwork.dynamics)
             return latent, (*apply(network, latent, method=MuZeroNetwork.predict), reward, latent)
 
-        # A scan over the K steps (the dynamics and prediction are dense layers, which scan well on any
-        # backend): the program holds one step's forward and backward pass, not K.
-        _, (policies, values, rewards, latents) = jax.lax.scan(step, latent, jnp.swapaxes(items.action, 0, 1))
+        # A scan over the K steps: the program holds one step's forward and backward pass, not K. Dense
+        # dynamics scan well on any backend; convolutional ones (a spatial latent) are unrolled where
+        # the agent unrolls its conv-net loops (on CPU a conv gradient inside a scan is far slower).
+        loop = _unrolled_scan if self.config.latent_channels and self._unroll() else jax.lax.scan
+        _, (policies, values, rewards, latents) = loop(step, latent, jnp.swapaxes(items.action, 0, 1))
         move = lambda x: jnp.swapaxes(x, 0, 1)  # noqa: E731  [K, N, ...] -> [N, K, ...]
         return (
             jnp.concatenate([policy[:, None], move(policies)], 1),
@@ -408,7 +411,7 @@ class MuZero(Agent):
 
     def consistency_loss(self, network: Any, latents: chex.Array, items: ReplayItem) -> chex.Array:
         """EfficientZero's consistency loss [N]: minus the cosine similarity of the prediction head's
-        output on the dynamics' latents [N, K, width] at steps 1..C and the gradient-stopped projection
+        output on the dynamics' latents [N, K, *latent_shape] at steps 1..C and the gradient-stopped projection
         of the representation of the observations reached (items.next_obs [N, C, ...]), summed over
         the steps within the episode (EfficientZero sums its unrolled terms)."""
         apply, C = self.network.apply, self.consistency_steps
@@ -417,7 +420,8 @@ class MuZero(Agent):
         observed = apply(
             network, items.next_obs.reshape((N * C,) + items.next_obs.shape[2:]), method=MuZeroNetwork.represent
         )
-        target = jax.lax.stop_gradient(apply(network, observed.reshape(N, C, -1), False, method=MuZeroNetwork.project))
+        observed = observed.reshape((N, C) + observed.shape[1:])
+        target = jax.lax.stop_gradient(apply(network, observed, False, method=MuZeroNetwork.project))
         unit = lambda x: x / (jnp.linalg.norm(x, axis=-1, keepdims=True) + 1e-8)  # noqa: E731
         cosine = jnp.sum(unit(predicted) * unit(target), axis=-1)  # [N, C]
         return -jnp.sum(cosine * items.policy_mask[:, 1 : C + 1], axis=-1)
@@ -448,10 +452,10 @@ class MuZero(Agent):
         - search_prior_kl: the mean KL(search policy || that policy), how far the search moved the
           policy; near 0 while the model's Q-values do not yet tell the actions apart.
         """
-        apply = self.network.apply
-        latent = apply(network, trajectory.obs, method=MuZeroNetwork.represent)  # [T+1, B, L]
+        apply, rank = self.network.apply, self.network.latent_rank
+        latent = apply(network, trajectory.obs, method=MuZeroNetwork.represent)  # [T+1, B, *latent_shape]
         predicted, _ = apply(network, latent[:-1], trajectory.action, method=MuZeroNetwork.dynamics)
-        target = latent[1:]
+        predicted, target = flatten_latent(predicted, rank), flatten_latent(latent[1:], rank)
         cosine = jnp.sum(predicted * target, -1) / (
             jnp.linalg.norm(predicted, axis=-1) * jnp.linalg.norm(target, axis=-1) + 1e-8
         )

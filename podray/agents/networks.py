@@ -259,11 +259,13 @@ class MLPTorso(nn.Module):
 
 
 class NatureCNN(nn.Module):
-    """The DQN Nature torso (Mnih et al., 2015): three convolutions, then `depth` dense layers."""
+    """The DQN Nature torso (Mnih et al., 2015): three convolutions, then `depth` dense layers (with
+    `spatial`, none: the last feature map [..., 7, 7, 64] at 84x84 frames)."""
 
     depth: int = 1
     width: int = 512
     layer_norm: bool = False
+    spatial: bool = False
 
     @nn.compact
     def __call__(self, x: chex.Array) -> chex.Array:
@@ -280,6 +282,8 @@ class NatureCNN(nn.Module):
                 bias_init=nn.initializers.zeros,
             )
             x = nn.relu(conv(x))
+        if self.spatial:
+            return x
         x = x.reshape(x.shape[:-3] + (-1,))
         for _ in range(self.depth):
             x = nn.relu(_normed(_dense(self.width)(x), self.layer_norm))
@@ -297,12 +301,14 @@ class _ResidualBlock(nn.Module):
 
 
 class ImpalaResNet(nn.Module):
-    """The IMPALA torso (Espeholt et al., 2018): stages of conv, max-pool and `depth` residual blocks."""
+    """The IMPALA torso (Espeholt et al., 2018): stages of conv, max-pool and `depth` residual blocks,
+    then a dense layer (with `spatial`, none: the last feature map [..., 11, 11, 32] at 84x84 frames)."""
 
     depth: int = 2
     width: int = 256
     channels: Sequence[int] = (16, 32, 32)
     layer_norm: bool = False
+    spatial: bool = False
 
     @nn.compact
     def __call__(self, x: chex.Array) -> chex.Array:
@@ -311,6 +317,8 @@ class ImpalaResNet(nn.Module):
             x = max_pool(x, 3, 2)
             for _ in range(self.depth):
                 x = _ResidualBlock(channels)(x)
+        if self.spatial:
+            return nn.relu(x)
         x = nn.relu(x).reshape(x.shape[:-3] + (-1,))
         return nn.relu(_normed(_dense(self.width)(x), self.layer_norm))
 
@@ -320,7 +328,11 @@ class ActorCriticOutput(NamedTuple):
     value: chex.Array  # [...]
 
 
-def make_torso(config: NetworkConfig, obs_rank: int = 1) -> nn.Module:
+def make_torso(config: NetworkConfig, obs_rank: int = 1, spatial: bool = False) -> nn.Module:
+    """The torso `config.torso` names; with `spatial`, a pixel torso that ends at its last feature map
+    [..., H, W, C] (MuZero's spatial latent), without the dense layers."""
+    if spatial and config.torso == "mlp":
+        raise ValueError("network.torso: the mlp torso has no feature map; a spatial torso needs a pixel torso")
     if config.torso == "mlp":
         return MLPTorso(
             depth=config.depth,
@@ -330,9 +342,9 @@ def make_torso(config: NetworkConfig, obs_rank: int = 1) -> nn.Module:
             layer_norm=config.layer_norm,
         )
     if config.torso == "nature_cnn":
-        return NatureCNN(depth=config.depth, width=config.width, layer_norm=config.layer_norm)
+        return NatureCNN(depth=config.depth, width=config.width, layer_norm=config.layer_norm, spatial=spatial)
     if config.torso == "impala_resnet":
-        return ImpalaResNet(depth=config.depth, width=config.width, layer_norm=config.layer_norm)
+        return ImpalaResNet(depth=config.depth, width=config.width, layer_norm=config.layer_norm, spatial=spatial)
     raise ValueError(f"network.torso: unknown torso {config.torso!r}")
 
 
