@@ -55,33 +55,25 @@ def standardize_over_batch(x: chex.Array, eps: float = 1e-5) -> chex.Array:
     return (x - mean) * jax.lax.rsqrt(var + eps)
 
 
-class _ResidualDense(nn.Module):
-    """x + dense(relu(norm(dense(relu(norm(x)))))): a pre-activation residual block on vectors."""
+class _Residual(nn.Module):
+    """x + layer(relu(norm(layer(relu(norm(x)))))): a pre-activation residual block of dense layers on
+    vectors [..., width], or with `conv` of 3x3 convolutions on feature maps [..., H, W, width]; the
+    layer norms are over the last axis (the features, or each position's channels)."""
 
     width: int
+    conv: bool = False
 
     @nn.compact
     def __call__(self, x: chex.Array) -> chex.Array:
-        y = _dense(self.width)(nn.relu(nn.LayerNorm()(x)))
-        y = _dense(self.width)(nn.relu(nn.LayerNorm()(y)))
+        layer = _conv if self.conv else _dense
+        y = layer(self.width)(nn.relu(nn.LayerNorm()(x)))
+        y = layer(self.width)(nn.relu(nn.LayerNorm()(y)))
         return x + y
 
 
-class _ResidualConv(nn.Module):
-    """x + conv(relu(norm(conv(relu(norm(x)))))): the pre-activation residual block on feature maps
-    [..., H, W, C], 3x3 convolutions, layer norm over the channels."""
-
-    channels: int
-
-    @nn.compact
-    def __call__(self, x: chex.Array) -> chex.Array:
-        y = _conv3(self.channels)(nn.relu(nn.LayerNorm()(x)))
-        y = _conv3(self.channels)(nn.relu(nn.LayerNorm()(y)))
-        return x + y
-
-
-def _conv3(channels: int) -> nn.Conv:
-    return nn.Conv(channels, (3, 3), padding="SAME", kernel_init=nn.initializers.orthogonal(np.sqrt(2)))
+def _conv(channels: int, size: int = 3) -> nn.Conv:
+    """A size x size SAME convolution, orthogonally initialised with gain sqrt(2) as `_dense`."""
+    return nn.Conv(channels, (size, size), padding="SAME", kernel_init=nn.initializers.orthogonal(np.sqrt(2)))
 
 
 class _SpatialHead(nn.Module):
@@ -94,7 +86,7 @@ class _SpatialHead(nn.Module):
 
     @nn.compact
     def __call__(self, x: chex.Array) -> chex.Array:
-        x = nn.relu(nn.Conv(self.channels, (1, 1), kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
+        x = nn.relu(_conv(self.channels, 1)(x))
         return _dense(self.width)(flatten_latent(x, 3))
 
 
@@ -133,15 +125,15 @@ class MuZeroNetwork(nn.Module):
         self.torso = make_torso(self.config, self.obs_rank, spatial=spatial)
         if spatial:
             channels = self.latent_channels
-            self.to_latent = _conv3(channels)
-            self.dynamics_in = _conv3(channels)
-            self.dynamics_blocks_ = [_ResidualConv(channels) for _ in range(self.dynamics_blocks)]
+            self.to_latent = _conv(channels)
+            self.dynamics_in = _conv(channels)
+            self.dynamics_blocks_ = [_Residual(channels, conv=True) for _ in range(self.dynamics_blocks)]
             self.reward_hidden = _SpatialHead(self.HEAD_CHANNELS, width)
             self.prediction_hidden = _SpatialHead(self.HEAD_CHANNELS, width)
         else:
             self.to_latent = _dense(width)
             self.dynamics_in = _dense(width)
-            self.dynamics_blocks_ = [_ResidualDense(width) for _ in range(self.dynamics_blocks)]
+            self.dynamics_blocks_ = [_Residual(width) for _ in range(self.dynamics_blocks)]
             self.reward_hidden = _dense(width)
             self.prediction_hidden = _dense(width)
         self.reward_out = nn.Dense(self.num_bins, kernel_init=nn.initializers.zeros)

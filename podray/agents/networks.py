@@ -317,9 +317,10 @@ class ImpalaResNet(nn.Module):
             x = max_pool(x, 3, 2)
             for _ in range(self.depth):
                 x = _ResidualBlock(channels)(x)
+        x = nn.relu(x)
         if self.spatial:
-            return nn.relu(x)
-        x = nn.relu(x).reshape(x.shape[:-3] + (-1,))
+            return x
+        x = x.reshape(x.shape[:-3] + (-1,))
         return nn.relu(_normed(_dense(self.width)(x), self.layer_norm))
 
 
