@@ -141,7 +141,15 @@ class AgentConfig:
     unroll_steps: int = 5
     """K, the steps the learned model is unrolled from each sampled state in the loss (muzero)."""
     td_steps: int = 10
-    """n of the n-step value targets, bootstrapped from the search's root values (muzero)."""
+    """n of the n-step value targets (muzero); value_bootstrap says which value they bootstrap from."""
+    value_bootstrap: str = "search"
+    """The value the n-step targets bootstrap from (muzero): 'search', the search's root value when the
+    step was acted on, stored with the item; or 'reanalyse', the value head's value of the stored
+    observation n steps on, computed at sampling time with the parameters the update started from
+    (MuZero Reanalyse's fresh value targets: the search's value ages as the item waits in the replay,
+    and early in a run it comes from a model that knew little). Reanalysing costs a forward pass of
+    unroll_steps + 1 observations per sampled item; the observation after a trajectory's last step is
+    not stored, so targets that bootstrap from it keep the learner's value of it at the time it came."""
     support_size: int = 10
     """Value and reward heads are categorical over the 2 * support_size + 1 integers of
     [-support_size, support_size] in h(x) space (h the invertible transform of Pohlen et al.; muzero)."""
@@ -687,6 +695,7 @@ def _validate_muzero(config: Config) -> None:
             f"agent.unroll_steps: K must be >= 1 (MuZero unrolls its model K steps), got {a.unroll_steps}"
         )
     _positive("agent.td_steps", a.td_steps)
+    _choice("agent.value_bootstrap", a.value_bootstrap, ("search", "reanalyse"))
     _positive("agent.support_size", a.support_size)
     if a.dynamics_blocks < 0:
         raise ConfigError(f"agent.dynamics_blocks: must be >= 0, got {a.dynamics_blocks}")

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from podray import config as config_lib
 from podray.agents import ActorOut, MuZero, Trajectory, build_agent
-from podray.agents.muzero import make_items, n_step_targets
+from podray.agents.muzero import bootstrap_observations, make_items, n_step_targets, reanalyse
 from podray.agents.muzero_network import MuZeroNetwork
 from podray.config import AgentConfig, ConfigError, NetworkConfig, ReplayConfig, SearchConfig
 from podray.envs.spec import EnvSpec
@@ -238,6 +238,50 @@ def test_trajectory_stats_measure_how_far_the_search_moved_the_policy():
     assert -1.0 <= float(moved["model_consistency"]) <= 1.0
 
 
+@pytest.mark.parametrize("sampling", ["uniform", "prioritized"])
+def test_reanalysed_targets_bootstrap_from_the_observations_stored_n_steps_on(sampling):
+    """With value_bootstrap 'reanalyse', an item's targets bootstrap from new values of the
+    observations the replay holds n steps on, found by slot arithmetic that survives the ring's wrap:
+    the observations of two trajectories encode v + 1, with v the search's values they were acted
+    on, and reanalysing every stored item with those values gives the targets n_step_targets makes
+    from v + 1 (and from the stored value where the bootstrap observation is the trajectory's last)."""
+    T, B, n = 8, 4, 3
+    replay = ReplayConfig(capacity=48, min_size=0, batch_size=16, replay_ratio=1.0, sampling=sampling)
+    agent = _agent(replay=replay, td_steps=n, value_bootstrap="reanalyse", discount=0.9)
+    buffer_state = jax.tree.map(lambda x: x[0], agent.init(jax.random.PRNGKey(0)).replay)
+    expected = []
+    for i in range(2):  # 64 items into 48 slots: the second trajectory wraps over the first's rows 0, 1
+        traj = _trajectory(jax.random.PRNGKey(i), T, B)
+        value = jax.random.normal(jax.random.PRNGKey(10 + i), (T, B))
+        obs = jnp.zeros((T + 1, B, 4)).at[:T, :, 0].set(value + 1.0).at[T, :, 0].set(-100.0)
+        traj = traj.replace(obs=obs, actor_out=traj.actor_out.replace(value=value))
+        boot = jax.random.normal(jax.random.PRNGKey(20 + i), (B,))
+        items = make_items(traj, boot, K, n, 0.9, reanalyse=True)
+        fresh = make_items(traj.replace(actor_out=traj.actor_out.replace(value=value + 1.0)), boot, K, n, 0.9)
+        expected.append(jnp.swapaxes(fresh.value, 0, 1).reshape(B * T, K + 1))  # in the replay's order
+        buffer_state = agent.buffer.add(buffer_state, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), items))
+    # slots 32..47, 0..15 hold the second trajectory; 16..31 the first's rows 2 and 3
+    slots = jnp.arange(48)
+    stored = jax.tree.map(lambda x: x[0, slots], buffer_state.experience)
+    obs = bootstrap_observations(buffer_state, slots, stored.bootstrap_offset)
+    got = reanalyse(stored, obs[..., 0]).value
+    want = jnp.concatenate([expected[1][16:32], expected[0][16:32], expected[1][:16]])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert bool(jnp.any(jnp.abs(got - stored.value) > 0.1))  # the new values changed the targets
+    assert float(jnp.max(obs[..., 0])) > -100.0 and bool(jnp.all(stored.bootstrap_offset <= n + K))
+
+    # the agent's update samples slots and reanalyses with its own network, finitely
+    state = agent.init(jax.random.PRNGKey(0))
+    update = jax.jit(agent.update)
+    for i in range(3):
+        state, metrics = update(state, _trajectory(jax.random.PRNGKey(i)), jax.random.PRNGKey(10 + i))
+    assert float(metrics["gradient_steps"]) == 2 and all(math.isfinite(float(v)) for v in metrics.values())
+    items, indices, _ = agent._sample(jax.tree.map(lambda x: x[0], state.replay), jax.random.PRNGKey(5), 48)
+    np.testing.assert_array_equal(
+        items.obs, jax.tree.map(lambda x: x[0], state.replay).experience.obs[0][indices]
+    )  # the slots returned are the items' own
+
+
 def test_prioritized_replay_updates_finite():
     replay = ReplayConfig(capacity=128, min_size=0, batch_size=16, replay_ratio=1.0, sampling="prioritized")
     agent = _agent(replay=replay)
@@ -288,6 +332,7 @@ def test_four_devices_on_quarters_equal_one_device_on_the_whole_batch():
         (["agent.consistency_coef=-1"], "agent.consistency_coef"),
         (["agent.consistency_steps=6"], "agent.consistency_steps"),
         (["agent.latent_channels=8"], "agent.latent_channels"),  # a spatial latent on the mlp torso
+        (["agent.value_bootstrap=fresh"], "agent.value_bootstrap"),
         (["search.policy=alphazero"], "search.policy"),
         (["search.temperature_decay=[0.75, 0.5]"], "search.temperature_decay"),
         (["replay.min_size=100000", "replay.capacity=5000"], "replay.min_size"),

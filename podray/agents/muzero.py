@@ -70,6 +70,12 @@ class ReplayItem:
       next_obs: [C, *obs_shape] the observations at t+1 .. t+C, the targets of the consistency loss
         (C = the consistency steps; None when the loss is off, so the replay stores no more frames).
         Where the episode ended or the trajectory ran out they are zeros, masked by policy_mask[1:].
+      bootstrap_value, bootstrap_scale, bootstrap_offset: [K + 1] each, held only with
+        agent.value_bootstrap 'reanalyse' (None otherwise): the value each target bootstraps from
+        (the search's root value), its factor in the target (0 where the target is 0), and how many
+        items further on in the replay the observation it bootstraps from is stored (0 where it is
+        not: the observation after the trajectory's last step). A fresh value v of that observation
+        makes the target value + bootstrap_scale * (v - bootstrap_value); see `reanalyse`.
     """
 
     obs: chex.Array
@@ -81,15 +87,43 @@ class ReplayItem:
     value_mask: chex.Array
     policy_mask: chex.Array
     next_obs: chex.Array | None = None
+    bootstrap_value: chex.Array | None = None
+    bootstrap_scale: chex.Array | None = None
+    bootstrap_offset: chex.Array | None = None
+
+
+def n_step_parts(
+    reward: chex.Array, discount: chex.Array, n: int, gamma: float
+) -> tuple[chex.Array, chex.Array, chex.Array]:
+    """The parts of n-step value targets [T, B] within one trajectory, before the bootstrap value.
+
+    z_t = sum_{i<m} gamma^i (prod_{j<i} d_{t+j}) r_{t+i} + gamma^m (prod_{j<m} d_{t+j}) v_{t+m}, with
+    m = min(n, T - t): near the trajectory's end the target bootstraps earlier.
+
+    Args:
+      reward, discount: [T, B] (discount 0 where the episode ended after step t).
+      n: the steps of the target.
+      gamma: discount factor.
+    Returns:
+      (partial [T, B], the rewards' sum; scale [T, B], the bootstrap value's factor; index [T] int32,
+      t + m, the step whose value is bootstrapped from (T: the observation after the last step)).
+    """
+    T = reward.shape[0]
+    pad = lambda x: jnp.concatenate([x, jnp.zeros((n,) + x.shape[1:], x.dtype)])  # noqa: E731
+    r, d = pad(reward), pad(discount)
+    t = jnp.arange(T)[:, None]
+    partial, scale = jnp.zeros_like(reward), jnp.ones_like(reward)
+    for i in range(n):
+        inside = t + i < T
+        partial = partial + jnp.where(inside, scale * r[i : i + T], 0.0)
+        scale = jnp.where(inside, scale * gamma * d[i : i + T], scale)
+    return partial, scale, jnp.minimum(jnp.arange(T) + n, T)
 
 
 def n_step_targets(
     reward: chex.Array, discount: chex.Array, value: chex.Array, bootstrap: chex.Array, n: int, gamma: float
 ) -> chex.Array:
-    """n-step value targets [T, B] within one trajectory.
-
-    z_t = sum_{i<m} gamma^i (prod_{j<i} d_{t+j}) r_{t+i} + gamma^m (prod_{j<m} d_{t+j}) v_{t+m}, with
-    m = min(n, T - t): near the trajectory's end the target bootstraps earlier, from `bootstrap`.
+    """n-step value targets [T, B] within one trajectory (see n_step_parts).
 
     Args:
       reward, discount: [T, B] (discount 0 where the episode ended after step t).
@@ -98,17 +132,8 @@ def n_step_targets(
       n: the steps of the target.
       gamma: discount factor.
     """
-    T = reward.shape[0]
-    values = jnp.concatenate([value, bootstrap[None]], axis=0)
-    pad = lambda x: jnp.concatenate([x, jnp.zeros((n,) + x.shape[1:], x.dtype)])  # noqa: E731
-    r, d = pad(reward), pad(discount)
-    t = jnp.arange(T)[:, None]
-    target, scale = jnp.zeros_like(reward), jnp.ones_like(reward)
-    for i in range(n):
-        inside = t + i < T
-        target = target + jnp.where(inside, scale * r[i : i + T], 0.0)
-        scale = jnp.where(inside, scale * gamma * d[i : i + T], scale)
-    return target + scale * values[jnp.minimum(jnp.arange(T) + n, T)]
+    partial, scale, index = n_step_parts(reward, discount, n, gamma)
+    return partial + scale * jnp.concatenate([value, bootstrap[None]], axis=0)[index]
 
 
 def _windows(x: chex.Array, length: int, fill: Any) -> chex.Array:
@@ -125,23 +150,26 @@ def make_items(
     td_steps: int,
     gamma: float,
     consistency_steps: int = 0,
+    reanalyse: bool = False,
 ) -> ReplayItem:
     """Replay items [T, B] (one per step) from a trajectory [T, B] and the value [B] of its last
     observation; see ReplayItem. The search policy is softmax(actor_out.logits). With
-    `consistency_steps` C > 0 each item also holds the next C observations."""
+    `consistency_steps` C > 0 each item also holds the next C observations; with `reanalyse`, what a
+    fresh bootstrap value needs (the replay stores the items of a trajectory [T, B] row after row, so
+    the item of step t + j of a row is j places after step t's)."""
     K = unroll_steps
     T, B = trajectory.action.shape
     A = trajectory.actor_out.logits.shape[-1]
-    value = n_step_targets(
-        trajectory.reward, trajectory.discount, trajectory.actor_out.value, bootstrap, td_steps, gamma
-    )
+    partial, scale, index = n_step_parts(trajectory.reward, trajectory.discount, td_steps, gamma)
+    stale = jnp.concatenate([trajectory.actor_out.value, bootstrap[None]], axis=0)[index]  # [T, B]
+    value = partial + scale * stale
     d = _windows(trajectory.discount, K + 1, 1.0)  # past the end: unknown, counted as alive
     alive = jnp.concatenate([jnp.ones((T, B, 1)), jnp.cumprod(d[..., :K], axis=-1)], axis=-1)  # [T, B, K+1]
     t = jnp.arange(T)[:, None, None]
     in_chunk = (t + jnp.arange(K + 1) < T).astype(jnp.float32)  # [T, 1, K+1]
     absorbed = 1.0 - alive
     policy = jax.nn.softmax(trajectory.actor_out.logits)
-    return ReplayItem(
+    items = ReplayItem(
         obs=trajectory.obs[:-1],
         action=_windows(trajectory.action.astype(jnp.int32), K, 0),
         reward=_windows(trajectory.reward, K, 0.0) * alive[..., :K],
@@ -152,6 +180,31 @@ def make_items(
         policy_mask=in_chunk * alive,
         next_obs=_windows(trajectory.obs[1:], consistency_steps, 0) if consistency_steps else None,
     )
+    if not reanalyse:
+        return items
+    # Position k of item t bootstraps from step index[t + k], k + offset[t + k] items after t (0: not stored).
+    offset = jnp.broadcast_to(jnp.where(index < T, index - jnp.arange(T), 0)[:, None], (T, B))
+    offsets = _windows(offset.astype(jnp.int32), K + 1, 0)
+    return items.replace(
+        bootstrap_value=_windows(stale, K + 1, 0.0),
+        bootstrap_scale=_windows(scale, K + 1, 0.0) * alive,
+        bootstrap_offset=jnp.where(offsets > 0, offsets + jnp.arange(K + 1, dtype=jnp.int32), 0),
+    )
+
+
+def bootstrap_observations(buffer_state: Any, indices: chex.Array, offsets: chex.Array) -> chex.Array:
+    """The observations [N, K + 1, *obs_shape] stored `offsets` [N, K + 1] slots after the items at
+    `indices` [N] of a flashbax item buffer's state (modulo its capacity: the replay is a ring)."""
+    stored = buffer_state.experience.obs[0]  # [capacity, *obs_shape]
+    return stored[(indices[:, None] + offsets) % stored.shape[0]]
+
+
+def reanalyse(items: ReplayItem, fresh: chex.Array) -> ReplayItem:
+    """Items [N] whose value targets bootstrap from `fresh` [N, K + 1], new values of the observations
+    `bootstrap_offset` points at, instead of the search's root values they were stored with (where the
+    observation is not stored, the stored target stays)."""
+    new = jnp.where(items.bootstrap_offset > 0, fresh - items.bootstrap_value, 0.0)
+    return items.replace(value=items.value + items.bootstrap_scale * new)
 
 
 def scale_gradient(x: chex.Array, scale: float) -> chex.Array:
@@ -219,6 +272,7 @@ class MuZero(Agent):
         )
         # The unroll steps the consistency loss trains (0: none, the loss is off).
         self.consistency_steps = (config.consistency_steps or config.unroll_steps) if config.consistency_coef > 0 else 0
+        self.reanalyse = config.value_bootstrap == "reanalyse"
         self.optimizer = self._make_optimizer()
         self.capacity = r.capacity // num_devices
         self.batch_size = r.batch_size // num_devices
@@ -288,6 +342,9 @@ class MuZero(Agent):
                 if self.consistency_steps
                 else None
             ),
+            bootstrap_value=f(K + 1) if self.reanalyse else None,
+            bootstrap_scale=f(K + 1) if self.reanalyse else None,
+            bootstrap_offset=jnp.zeros((K + 1,), jnp.int32) if self.reanalyse else None,
         )
 
     def init(self, key: chex.PRNGKey) -> MuZeroState:
@@ -437,7 +494,9 @@ class MuZero(Agent):
         """Replay items [T, B] of a trajectory; the last observation's value comes from `network`."""
         bootstrap = self._root(network, trajectory.obs[-1]).value
         c = self.config
-        return make_items(trajectory, bootstrap, c.unroll_steps, c.td_steps, c.discount, self.consistency_steps)
+        return make_items(
+            trajectory, bootstrap, c.unroll_steps, c.td_steps, c.discount, self.consistency_steps, self.reanalyse
+        )
 
     def trajectory_stats(self, network: Any, trajectory: Trajectory) -> dict[str, chex.Array]:
         """What the network makes of the new trajectory [T, B], from one representation of its
@@ -512,20 +571,22 @@ class MuZero(Agent):
 
         def step(carry, step_key):
             network, opt_state, buffer_state = carry
-            sample = self.buffer.sample(buffer_state, step_key)
+            items, indices, probabilities = self._sample(buffer_state, step_key, fill)
+            if self.reanalyse:
+                # The bootstrap values from the parameters this update started from (a target network
+                # that moves once per update), on the observations stored further on in the replay.
+                items = reanalyse(items, self._stored_values(state.params.network, buffer_state, indices, items))
             weights = None
             if prioritized:
-                weights = (fill.astype(jnp.float32) * sample.probabilities) ** (-r.importance_exponent)
+                weights = (fill.astype(jnp.float32) * probabilities) ** (-r.importance_exponent)
                 weights = weights / jax.lax.stop_gradient(_max_over(jnp.max(weights), axis_name))
-            updates, new_opt_state, metrics, priorities = self.learn_step(
-                network, opt_state, sample.experience, weights, axis_name
-            )
+            updates, new_opt_state, metrics, priorities = self.learn_step(network, opt_state, items, weights, axis_name)
             updates = jax.tree.map(lambda u: lr_scale * u, updates)
             new_network = optax.apply_updates(network, updates)
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ready, n, o), new, old)  # noqa: E731
             network, opt_state = keep(new_network, network), keep(new_opt_state, opt_state)
             if prioritized:
-                buffer_state = self.buffer.set_priorities(buffer_state, sample.indices, priorities + 1e-6)
+                buffer_state = self.buffer.set_priorities(buffer_state, indices, priorities + 1e-6)
             return (network, opt_state, buffer_state), metrics
 
         loop = _unrolled_scan if self._unroll() else jax.lax.scan
@@ -552,6 +613,26 @@ class MuZero(Agent):
             ),
             metrics,
         )
+
+    def _sample(self, buffer_state: Any, key: chex.PRNGKey, fill: chex.Array) -> tuple[ReplayItem, Any, Any]:
+        """A batch of items from this device's replay: (items [N], their slots in the replay [N] or
+        None, their sampling probabilities [N] or None). Uniform sampling draws the slots itself when
+        reanalysing (flashbax's uniform item buffer does not return them)."""
+        if self.replay_config.sampling == "prioritized":
+            sample = self.buffer.sample(buffer_state, key)
+            return sample.experience, sample.indices, sample.probabilities
+        if not self.reanalyse:
+            return self.buffer.sample(buffer_state, key).experience, None, None
+        indices = jax.random.randint(key, (self.batch_size,), 0, fill)
+        return jax.tree.map(lambda x: x[0, indices], buffer_state.experience), indices, None
+
+    def _stored_values(self, network: Any, buffer_state: Any, indices: chex.Array, items: ReplayItem) -> chex.Array:
+        """The value [N, K + 1] under `network` (gradient stopped) of the observation each target of the
+        items at `indices` bootstraps from, read from the replay `bootstrap_offset` slots further on
+        (the value there is unused where the offset is 0)."""
+        obs = bootstrap_observations(buffer_state, indices, items.bootstrap_offset)
+        value = self._root(jax.lax.stop_gradient(network), obs.reshape((-1,) + obs.shape[2:])).value
+        return value.reshape(obs.shape[:2])
 
 
 def _max_over(x: chex.Array, axis_name: AxisName) -> chex.Array:
