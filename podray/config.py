@@ -441,7 +441,8 @@ def _apply(obj: Any, updates: dict[str, Any], prefix: str = "") -> None:
     for key, value in updates.items():
         path = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"{path}: unknown key; valid keys here are {', '.join(names)}")
+            shown = path if path.isprintable() else repr(path)
+            raise ConfigError(f"{shown}: unknown key; valid keys here are {', '.join(names)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
@@ -494,6 +495,9 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())
 
 
+_FIELD_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
 def parse_override(text: str) -> dict[str, Any]:
     """Turns 'agent.learning_rate=3e-4' into {'agent': {'learning_rate': 3e-4}} (values are YAML)."""
     if "=" not in text:
@@ -502,6 +506,11 @@ def parse_override(text: str) -> dict[str, Any]:
     key = key.strip()
     if not key:
         raise ConfigError(f"--set {text!r}: empty field name")
+    if not _FIELD_PATH.fullmatch(key):
+        raise ConfigError(
+            f"--set {text!r}: field name {key!r} is not section.field (letters, digits and _ joined by dots), "
+            "e.g. agent.learning_rate=3e-4"
+        )
     try:
         value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:

@@ -9,7 +9,7 @@ import typing
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from podray import config as config_lib
@@ -82,6 +82,8 @@ def _render(value) -> str:
 
 @settings(max_examples=400, **SETTINGS)
 @given(st.text(max_size=40))
+@example("0\n0=")  # a line break in the field name once reached the unknown-key message
+@example("agent.\tlearning_rate=1")
 def test_any_set_string_is_accepted_or_rejected_in_one_line(text):
     _accepted_or_named(lambda: _load(None, [text]))
 
@@ -197,6 +199,14 @@ def test_mutated_presets_are_accepted_or_name_the_field(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("preset") / f"{name}.yaml"
     path.write_text(yaml.safe_dump(mutated))
     _accepted_or_named(lambda: _load(str(path)), field=field)
+
+
+def test_a_yaml_key_with_a_line_break_is_named_on_one_line(tmp_path):
+    path = tmp_path / "odd.yaml"
+    path.write_text(yaml.safe_dump({"agent": {"learning\nrate": 1e-3}}))
+    with pytest.raises(ConfigError, match=r"agent\.learning\\nrate.*unknown key") as e:
+        _load(str(path))
+    assert "\n" not in str(e.value)
 
 
 # ---- Tune search spaces -------------------------------------------------------------------------------
