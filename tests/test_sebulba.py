@@ -60,6 +60,7 @@ def _no_actor_threads_alive():
     return not [t for t in threading.enumerate() if t.name.startswith("podray-actor")]
 
 
+@pytest.mark.slow
 def test_impala_learns_cartpole_from_envpool(tmp_path):
     config = _config("sebulba_cartpole")  # 1.2M env steps
     summary = train(config, run_dir=tmp_path)

@@ -25,6 +25,7 @@ def _config(*overrides: str) -> config_lib.Config:
     return config_lib.load("sebulba_cartpole", TWO_HOSTS + quiet + list(overrides))
 
 
+@pytest.mark.slow
 def test_two_hosts_learn_cartpole_with_one_learner_mesh_and_identical_actor_parameters(ray_cluster, tmp_path):
     # PPO's settings of tests/test_sebulba.py (400 within 300k steps on one host); the global learner
     # batch of 32 is 16 environments from each host.

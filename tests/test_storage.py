@@ -119,6 +119,7 @@ def test_bad_object_store_run_dirs_are_one_line_before_compiling(s3, capsys, mon
     assert compile_counter == []
 
 
+@pytest.mark.slow
 def test_multi_host_run_on_s3_loses_a_host_resumes_and_the_driver_reads_the_summary(s3, ray_cluster):
     """Two host workers (2 fake devices each) write checkpoints, logs and TensorBoard events to s3://;
     host 1 is killed after a checkpoint; the group restarts from s3 and finishes; the driver reads
@@ -197,6 +198,7 @@ class _InterruptOnce(tune.Callback):
             os.kill(os.getpid(), signal.SIGUSR1)  # Tune's SIGINT handler also handles SIGUSR1
 
 
+@pytest.mark.slow
 def test_tune_study_on_s3_is_interrupted_resumed_and_read_back(s3, ray_cluster, tmp_path):
     from podray.tuning import load_study, resume_study, run_study, trainable
 
