@@ -76,3 +76,47 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+class HostKiller:
+    """An `on_group` callback for `train_on_ray`: on the first host group only, SIGKILLs host 1's
+    worker once a checkpoint of at least `at_update` updates is in `run_dir`; the group the driver
+    restarts runs to the end. `restart()` then checks the run log: one restart, from that checkpoint
+    or a later one, losing at most `lost_updates_at_most` updates, and a finish."""
+
+    def __init__(self, run_dir, at_update: int):
+        self.run_dir, self.at_update, self.killed = run_dir, at_update, []
+
+    def __call__(self, group) -> None:
+        import signal
+        import threading
+        import time
+
+        if self.killed:
+            return
+        checkpoints = self.run_dir / "checkpoints"
+
+        def kill():
+            while not any(p.name.isdigit() and int(p.name) >= self.at_update for p in checkpoints.glob("*")):
+                time.sleep(0.05)
+            os.kill(group.nodes[1]["pid"], signal.SIGKILL)
+
+        self.killed.append(group.nodes[1]["pid"])
+        threading.Thread(target=kill, daemon=True).start()
+
+    def restart(self, lost_updates_at_most: int) -> dict:
+        from podray.metrics import read_jsonl
+
+        assert self.killed
+        log = read_jsonl(self.run_dir / "run_log.jsonl")
+        restarts = [e for e in log if e["event"] == "restart"]
+        assert len(restarts) == 1 and log[-1]["event"] == "finish"
+        assert restarts[0]["resumed_from_updates"] >= self.at_update
+        assert restarts[0]["lost_updates"] <= lost_updates_at_most  # at most one checkpoint interval
+        return restarts[0]
+
+
+@pytest.fixture
+def host_killer():
+    """The HostKiller class: `killer = host_killer(run_dir, at_update)`, `on_group=killer`."""
+    return HostKiller

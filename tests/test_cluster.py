@@ -81,7 +81,7 @@ def test_fake_tpu_slice_gets_one_worker_per_host(ray_cluster):
         group.stop()
 
 
-def test_killed_host_worker_is_restored_from_checkpoint(ray_cluster, tmp_path):
+def test_killed_host_worker_is_restored_from_checkpoint(ray_cluster, tmp_path, host_killer):
     upc = 4
     config = _config(
         **{
@@ -95,29 +95,11 @@ def test_killed_host_worker_is_restored_from_checkpoint(ray_cluster, tmp_path):
         }
     )
     run_dir = tmp_path / "run"
-    killed = []
-
-    def kill_host_1_after_a_checkpoint(group):
-        if killed:
-            return  # the restarted group runs to the end
-
-        def kill():
-            while not any(p.name.isdigit() and int(p.name) >= 2 * upc for p in (run_dir / "checkpoints").glob("*")):
-                time.sleep(0.05)
-            os.kill(group.nodes[1]["pid"], signal.SIGKILL)
-
-        killed.append(group.nodes[1]["pid"])
-        threading.Thread(target=kill, daemon=True).start()
-
-    (result,) = train_on_ray(config, run_dir=run_dir, on_group=kill_host_1_after_a_checkpoint)
-    assert killed
+    killer = host_killer(run_dir, at_update=2 * upc)
+    (result,) = train_on_ray(config, run_dir=run_dir, on_group=killer)
     assert result["env_steps"] == config.total_env_steps  # the full budget
-    log = read_jsonl(run_dir / "run_log.jsonl")
-    restarts = [e for e in log if e["event"] == "restart"]
-    assert len(restarts) == 1 and log[-1]["event"] == "finish"
-    assert restarts[0]["resumed_from_updates"] >= 2 * upc
-    assert restarts[0]["lost_updates"] <= config.run.checkpoint_every  # at most one checkpoint interval
-    assert restarts[0]["lost_env_steps"] <= config.run.checkpoint_every * 8 * 16
+    restart = killer.restart(lost_updates_at_most=config.run.checkpoint_every)
+    assert restart["lost_env_steps"] <= config.run.checkpoint_every * 8 * 16
     # The step count is continuous: one row per call, no gap, no repeat.
     assert [r["updates"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [upc * (i + 1) for i in range(6)]
 

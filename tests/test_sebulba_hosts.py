@@ -83,35 +83,17 @@ def test_two_hosts_learn_cartpole_with_one_learner_mesh_and_identical_actor_para
         np.testing.assert_array_equal(a, learner)
 
 
-def test_killed_host_of_a_two_host_sebulba_run_is_restored_from_checkpoint(ray_cluster, tmp_path):
+def test_killed_host_of_a_two_host_sebulba_run_is_restored_from_checkpoint(ray_cluster, tmp_path, host_killer):
     every = 5
     config = _config(
         f"sebulba.log_every={every}",
         f"run.checkpoint_every={every}",
         f"total_env_steps={32 * 32 * every * 6}",  # 6 reports of 5 updates of 32 x 32 steps
     )
-    killed = []
-
-    def kill_host_1_after_a_checkpoint(group):
-        if killed:
-            return  # the restarted group runs to the end
-
-        def kill():
-            while not any(p.name.isdigit() and int(p.name) >= 2 * every for p in (tmp_path / "checkpoints").glob("*")):
-                time.sleep(0.05)
-            os.kill(group.nodes[1]["pid"], signal.SIGKILL)
-
-        killed.append(group.nodes[1]["pid"])
-        threading.Thread(target=kill, daemon=True).start()
-
-    (result,) = train_on_ray(config, run_dir=tmp_path, on_group=kill_host_1_after_a_checkpoint)
-    assert killed
+    killer = host_killer(tmp_path, at_update=2 * every)
+    (result,) = train_on_ray(config, run_dir=tmp_path, on_group=killer)
     assert result["env_steps"] == config.total_env_steps  # the full budget
-    log = read_jsonl(tmp_path / "run_log.jsonl")
-    restarts = [e for e in log if e["event"] == "restart"]
-    assert len(restarts) == 1 and log[-1]["event"] == "finish"
-    assert restarts[0]["resumed_from_updates"] >= 2 * every
-    assert restarts[0]["lost_updates"] <= every  # at most one checkpoint interval
+    killer.restart(lost_updates_at_most=every)
     # Continuous step counts: one row per report, no gap, no repeat.
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["updates"] for r in rows] == [every * (i + 1) for i in range(6)]
