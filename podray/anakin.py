@@ -22,8 +22,8 @@ from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from podray import checkpoint, preemption
 from podray import config as config_lib
-from podray import preemption
 from podray.agents import TrainState, Trajectory, build_agent
 from podray.envs.jax_envs import EnvState, JaxEnv
 from podray.host import DEVICE_AXIS, HostContext, check_devices, compiler_options
@@ -176,7 +176,7 @@ class AnakinProgram:
         keys = jax.ShapeDtypeStruct(
             (self.config.anakin.replicas, 2), jnp.uint32, sharding=NamedSharding(self.mesh, P())
         )
-        return jax.eval_shape(self.init, keys)
+        return checkpoint.on_mesh(jax.eval_shape(self.init, keys), self._state_spec, self.mesh)
 
 
 def _mean_return(metrics: dict[str, Any]) -> tuple[float, list[float]]:

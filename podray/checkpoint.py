@@ -84,6 +84,19 @@ def probe_writable(directory: str | pathlib.Path, what: str = "run directory") -
         ) from None
 
 
+def on_mesh(shapes: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
+    """`shapes` (ShapeDtypeStructs, as jax.eval_shape gives them: without shardings) with each leaf
+    placed by its part's PartitionSpec on `mesh`; `specs` is a prefix of `shapes` whose leaves are
+    PartitionSpecs. Restoring into this puts every array on the resuming program's mesh, whatever
+    processes or devices saved it (without a sharding orbax reuses the saving program's)."""
+
+    def place(spec: jax.sharding.PartitionSpec, part: Any) -> Any:
+        sharding = jax.sharding.NamedSharding(mesh, spec)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), part)
+
+    return jax.tree.map(place, specs, shapes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
 class Checkpointer:
     """Saves and restores (state pytree, metadata dict) pairs under `directory`, by step.
 
@@ -160,11 +173,13 @@ class Checkpointer:
                 state, meta = self.restore(target, step)
             except Exception as e:  # orbax and tensorstore raise many kinds for a broken file
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
-                if "Topology mismatch" in reason:  # intact, but saved by a program of another shape
+                if "Topology mismatch" in reason or "not compatible with the stored shape" in reason:
+                    # Intact, but its arrays do not fit this program's (another total device count).
                     raise CheckpointError(
-                        f"the checkpoint of update {step} in {self.directory} was saved by a program with "
-                        "another number of hosts or devices than this one; resume with the run's run.hosts "
-                        "and device count"
+                        f"the checkpoint of update {step} in {self.directory} holds arrays of other shapes "
+                        f"than this program's ({reason[:200]}): it was saved with another total number of "
+                        "devices; resume on as many devices in all (run.hosts x devices per host) as it was "
+                        "saved with"
                     ) from e
                 damaged.append((step, reason[:300]))
                 self.say(f"podray: checkpoint of update {step} in {self.directory} is damaged ({reason[:300]})")

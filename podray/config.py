@@ -573,10 +573,15 @@ RESUME_FIELDS = (
     "run.checkpoint_every",
     "run.keep_checkpoints",
     "sebulba.timeout_s",
+    "run.hosts",
+    "run.cpu_devices",
 )
 """Fields `--set` may change on `--resume`: they leave the meaning of the checkpoint alone. A larger
 total_env_steps extends the run; an annealed learning rate is then stretched over the new total (it
-rises from where the old schedule had taken it to what the new one gives at this update)."""
+rises from where the old schedule had taken it to what the new one gives at this update). run.hosts
+and run.cpu_devices may regroup the same total of devices (2 hosts x 1 device resume as 1 x 2): the
+checkpoint restores onto the resuming program's mesh; another total is refused at restore, since the
+per-device shards (environments, replay) would not fit."""
 
 
 def resume_overrides(config: Config, overrides: typing.Sequence[str]) -> Config:

@@ -132,6 +132,26 @@ def test_resume_after_interruption_is_bitwise_identical(tmp_path):
     assert steps == [2, 4, 6, 8, 10]
 
 
+def test_checkpoint_restores_onto_the_resuming_programs_devices(tmp_path):
+    """A checkpoint restores onto the mesh of the program that resumes it, not the devices that saved
+    it (as after a restart on other hosts): saved from devices 0-1, restored by a program on 2-3."""
+    from podray.checkpoint import Checkpointer
+
+    config = _config(None, **{"env.num_envs": 8, "anakin.updates_per_call": 2, "total_env_steps": 8 * 128 * 4})
+    devices = jax.local_devices()
+    saver = AnakinProgram(config, HostContext(0, 1, tuple(devices[:2]), tuple(devices[:2])).mesh())
+    state, _ = saver.step(saver.initial_state(config.seed))
+    Checkpointer(tmp_path).save(2, state, {"calls": 1})
+    resumer = AnakinProgram(config, HostContext(0, 1, tuple(devices[2:4]), tuple(devices[2:4])).mesh())
+    restored, meta = Checkpointer(tmp_path).restore_latest(resumer.abstract_state(config.seed))
+    assert meta["calls"] == 1
+    for leaf in jax.tree.leaves(restored):
+        assert leaf.sharding.device_set == set(devices[2:4])
+    for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(jax.device_get(restored))):
+        np.testing.assert_array_equal(a, b)
+    resumer.step(restored)  # the resuming program runs on what it restored
+
+
 def test_replicas_share_a_device_and_differ():
     config = _config(
         None,

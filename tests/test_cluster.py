@@ -18,6 +18,7 @@ import pytest
 from conftest import FAKE_TPU_SLICE
 
 from podray import config as config_lib
+from podray.checkpoint import CheckpointError
 from podray.cluster import ClusterError, HostGroup, train_on_ray
 from podray.host import HostContext
 from podray.metrics import read_jsonl
@@ -61,6 +62,30 @@ def test_two_hosts_of_two_devices_match_one_host_of_four(ray_cluster, tmp_path):
     assert [r["updates"] for r in rows] == [4, 8]
     events = [e["event"] for e in read_jsonl(tmp_path / "ray" / "run_log.jsonl")]
     assert events == ["start", "finish"]
+
+
+def test_two_host_checkpoint_resumes_in_one_process_on_as_many_devices(ray_cluster, tmp_path):
+    """2 hosts x 2 devices checkpoint; 1 process x 4 devices resumes it (the same total, so the same
+    shards); 1 process x 2 devices, which would hold half the environments, is refused by name and
+    nothing is moved aside."""
+    devices = tuple(jax.local_devices()[:4])  # this process's 4 devices (JAX started before the driver)
+    run_dir = tmp_path / "run"
+    fields = {k: v for k, v in SMALL.items() if k != "env.num_envs"}
+    config = _config(
+        **{**fields, "env.envs_per_device": 2, "run.checkpoint_every": 4, "run.hosts": 2, "run.cpu_devices": 2}
+    )
+    (result,) = train_on_ray(config, run_dir=run_dir, return_params=True)
+    saved = result["hosts"][0]["params"]
+    more = config_lib.resume_overrides(config, ["total_env_steps=1536", "run.hosts=1", "run.cpu_devices=4"])
+    summary = train(more, run_dir=run_dir, resume=True, host=HostContext(0, 1, devices, devices))
+    assert summary.env_steps == 1536
+    assert [r["updates"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [4, 8, 12]
+    assert any(not np.allclose(a, b) for a, b in zip(saved, jax.tree.leaves(summary.final_state.train.params)))
+    fewer = config_lib.resume_overrides(config, ["total_env_steps=2048", "run.hosts=1", "run.cpu_devices=2"])
+    two = tuple(jax.local_devices()[:2])
+    with pytest.raises(CheckpointError, match="another total number of devices"):
+        train(fewer, run_dir=run_dir, resume=True, host=HostContext(0, 1, two, two))
+    assert not (run_dir / "checkpoints_damaged").exists()
 
 
 def test_fake_tpu_slice_gets_one_worker_per_host(ray_cluster):

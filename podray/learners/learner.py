@@ -25,6 +25,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from podray import checkpoint
 from podray.agents import Agent, TrainState, Trajectory
 from podray.envs.host_envs import to_channels_last
 from podray.host import compiler_options
@@ -81,6 +82,7 @@ class Learner:
             self.local_batch_sharding = NamedSharding(local_mesh, P(None, LEARNER_AXIS))
         # The agent says which parts of its state are per-device shards (a replay) rather than replicated.
         state_spec = LearnerState(train=agent.state_partition(P(), P(LEARNER_AXIS)), key=P())
+        self._state_spec = state_spec
         step = jax.shard_map(
             self._step,
             mesh=mesh,
@@ -134,7 +136,7 @@ class Learner:
     def abstract_state(self, seed: int) -> LearnerState:
         """Shapes and shardings of the state (what a checkpoint restores into)."""
         key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self.replicated)
-        return jax.eval_shape(self.init, key)
+        return checkpoint.on_mesh(jax.eval_shape(self.init, key), self._state_spec, self.mesh)
 
     def abstract_trajectory(self, rollout_length: int, actor_batch: int, obs_shape, obs_dtype) -> Trajectory:
         """The shape of one global trajectory of `actor_batch` environments (over every host) as the
